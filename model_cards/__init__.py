@@ -1,0 +1,1 @@
+"""Model-card templates rendered by dlm-convert and filled by dlm-verify."""

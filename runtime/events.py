@@ -1,0 +1,57 @@
+"""What a generation loop yields: shared by every family, the CLI, the parity
+suite and the server."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    # One entry per canvas (DiffusionGemma) or block (LLaDA-2): forwards run on it.
+    steps_per_block: list[int] = field(default_factory=list)
+    early_stops: int = 0  # canvases/blocks that stopped before the step budget
+    forwards: int = 0  # decoder/model forwards spent on generation
+    peak_memory_gb: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.completion_tokens / self.forwards if self.forwards else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            prompt_tps=self.prompt_tps,
+            generation_tps=self.generation_tps,
+            tokens_per_forward=self.tokens_per_forward,
+        )
+        return out
+
+
+@dataclass
+class GenerationEvent:
+    """One committed canvas/block (``text`` / ``reasoning`` deltas, in sequence
+    order), or the final event (``finish_reason`` set, ``stats`` filled)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    reasoning: str = ""
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
+    stats: Optional[GenerationStats] = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
