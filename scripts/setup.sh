@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in .venv with dlm installed (editable).
+# torch is pinned to 2.13.0 on purpose: an unpinned `torch` pulls a multi-GB CUDA
+# build on Linux. For the CPU-only wheel from PyTorch's own index on a machine
+# that reaches it, set DLM_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    $PIP install -q "${DLM_TORCH_SPEC:-torch==2.13.0}" \
+        ${DLM_TORCH_INDEX_URL:+--index-url "$DLM_TORCH_INDEX_URL"}
+fi
+$PIP install -q -e ".[test]"
