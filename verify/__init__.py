@@ -1,0 +1,8 @@
+"""dlm-verify: prove a converted MLX model faithful to its PyTorch reference.
+
+Layout: ``protocol.py`` (the family plug-in protocol: read it before adding a
+family), ``reference_<family>.py`` (one adapter per family, found through
+``dlm.runtime.registry``), ``metrics.py`` / ``thresholds.py`` / ``checks.py``
+(shared numbers and verdicts), ``bundle.py`` (record once, compare anywhere),
+``report.py`` (JSON, terminal table, model-card section), ``cli.py``.
+"""

@@ -1,0 +1,187 @@
+"""The family plug-in protocol of ``dlm-verify`` and the data it exchanges.
+
+dlm-verify never branches on ``model_type``. It asks the registry
+(``dlm.runtime.registry.family_for_config(config).reference()``) for the
+family's *verify adapter*: the module named by ``Family.reference_module``
+(``dlm.verify.reference_<family>``). That module exposes the functions below;
+everything else (metrics, thresholds, checks, bundles, reports, CLI) is shared.
+
+Adapter functions (module level, in ``verify/reference_<family>.py``)
+---------------------------------------------------------------------
+
+``load_reference(path, *, dtype="float32", weights=None, trust_remote_code=False) -> object``
+    Build the PyTorch reference on CPU from a local checkpoint directory
+    (``path``: already resolved, see ``dlm.verify.source``) in ``dtype``
+    ("float32" | "bfloat16" | "float16"). Load weights only from safetensors.
+    ``weights``: optional ``{hf_name: np.ndarray}`` that replaces the
+    checkpoint's weights (implementation parity of a quantized model: these
+    are the MLX model's dequantized weights, already mapped back to HF names by
+    ``hf_weights_from_mlx``). With ``weights`` given, ``path`` may be the
+    converted MLX directory (only its config.json is then read). Never run
+    checkpoint code unless ``trust_remote_code``. Raise
+    ``dlm.runtime.errors.DlmError`` (or a subclass) with a clear message when
+    the reference cannot be built. Returns an opaque handle that the other
+    ``reference_*`` functions receive.
+
+``hf_weights_from_mlx(mlx_weights, config) -> dict[str, np.ndarray]``
+    Inverse of the converter's weight plan: ``mlx_weights`` are the converted
+    tensors, dequantized to float32 (``dlm.verify.weights.dequantized_weights``),
+    under their MLX names; return them under the HF names that
+    ``load_reference(weights=...)`` accepts (re-split fused tensors, drop the
+    ``.weight`` suffixes the converter added, ...).
+
+``logit_cases(config, prompts, generation_config) -> list[LogitCase]``
+    The fixed forward passes compared by the logits checks, for every prompt
+    (``list[list[int]]``). Pure function of its inputs (no model needed): e.g.
+    DiffusionGemma builds prefill + decoder step on an arange canvas and on the
+    debug-canvas pattern, each without and with self-conditioning, plus a
+    decoder step after one committed canvas. Case names must be unique and
+    safe in a file name (letters, digits, ``._-/``).
+
+``reference_logits(ref, case, done) -> np.ndarray``
+    float32 logits ``[positions, vocab]`` of the reference for one case.
+    ``done`` maps earlier case names to their reference logits, so a case may
+    derive inputs from an earlier one (DiffusionGemma's self-conditioning input
+    is the previous step's processed logits). Derived inputs must be written
+    into ``case.arrays`` so that the MLX side and recorded bundles see exactly
+    the same inputs; when they are already present, use them unchanged.
+
+``mlx_logits(loaded, case) -> np.ndarray``
+    The same forward pass on the converted MLX model (``loaded`` is
+    ``dlm.runtime.api.load(path)``), float32 ``[positions, vocab]``.
+
+``stream_settings(config, generation_config, *, blocks, steps) -> dict``
+    JSON-able settings of the deterministic generation compared by the commit
+    stream check: ``blocks`` canvases/blocks, at most ``steps`` denoising steps
+    each (None: the checkpoint's default). Stored in bundles.
+
+``reference_commit_stream(ref, prompt_ids, settings) -> CommitStream``
+``mlx_commit_stream(loaded, prompt_ids, settings) -> CommitStream``
+    Deterministic generation in each framework (DiffusionGemma: the debug
+    canvas of reference §4.9; LLaDA-2: greedy-fixed sampling), with a per-step
+    trace: the argmax of every denoising step and the top-K logits at every
+    position (``CommitStream`` below; build it with ``TraceRecorder``).
+
+``compute_dtype(loaded) -> str`` (optional)
+    The dtype the MLX model computes in ("float32", "bfloat16", ...). Default:
+    the dtype of its unquantized floating-point weights.
+
+Shared data (this module)
+-------------------------
+``LogitCase`` (inputs of one forward pass), ``BlockTrace`` / ``CommitStream``
+(a generation and its per-step trace). Arrays are numpy so that bundles load on
+a machine without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+TOPK = 8  # candidates kept per position and step in commit-stream traces
+
+
+@dataclass
+class LogitCase:
+    """One fixed forward pass: a prompt plus family-specific inputs."""
+
+    name: str
+    prompt_ids: list[int]
+    # Family-specific inputs (canvas ids, self-conditioning logits, ...), numpy.
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    # JSON-able description (kind, canvas pattern, dependencies, ...).
+    meta: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return f"{self.name} (prompt of {len(self.prompt_ids)} tokens)"
+
+
+@dataclass
+class BlockTrace:
+    """One committed canvas/block and the denoising steps that produced it."""
+
+    tokens: list[int]
+    steps: int
+    # [steps, positions] argmax of every step (int32).
+    step_argmax: np.ndarray
+    # [steps, positions, TOPK] candidate ids and their logits (raw, before any
+    # temperature), best first.
+    topk_ids: np.ndarray
+    topk_logits: np.ndarray
+
+
+@dataclass
+class CommitStream:
+    prompt_ids: list[int]
+    blocks: list[BlockTrace]
+    finish_reason: Optional[str] = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for b in self.blocks for t in b.tokens]
+
+    @property
+    def steps_per_block(self) -> list[int]:
+        return [b.steps for b in self.blocks]
+
+
+class TraceRecorder:
+    """Builds a CommitStream step by step without keeping full logits around.
+
+    Call ``step(logits)`` once per denoising step with that step's raw logits
+    ``[positions, vocab]`` (numpy, or anything ``np.asarray`` accepts), then
+    ``commit(tokens)`` once per committed canvas/block.
+    """
+
+    def __init__(self, prompt_ids: list[int], k: int = TOPK):
+        self.stream = CommitStream(prompt_ids=list(prompt_ids), blocks=[])
+        self.k = k
+        self._argmax: list[np.ndarray] = []
+        self._ids: list[np.ndarray] = []
+        self._vals: list[np.ndarray] = []
+
+    def step(self, logits) -> None:
+        x = np.asarray(logits, dtype=np.float32)
+        x = x.reshape(-1, x.shape[-1])
+        k = min(self.k, x.shape[-1])
+        part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+        vals = np.take_along_axis(x, part, axis=-1)
+        order = np.argsort(-vals, axis=-1, kind="stable")
+        self._ids.append(np.take_along_axis(part, order, axis=-1).astype(np.int32))
+        self._vals.append(np.take_along_axis(vals, order, axis=-1).astype(np.float32))
+        self._argmax.append(x.argmax(-1).astype(np.int32))
+
+    def commit(self, tokens) -> None:
+        n = len(self._argmax)
+        L = len(tokens)
+        self.stream.blocks.append(
+            BlockTrace(
+                tokens=[int(t) for t in tokens],
+                steps=n,
+                step_argmax=np.stack(self._argmax) if n else np.zeros((0, L), np.int32),
+                topk_ids=np.stack(self._ids) if n else np.zeros((0, L, self.k), np.int32),
+                topk_logits=np.stack(self._vals) if n else np.zeros((0, L, self.k), np.float32),
+            )
+        )
+        self._argmax, self._ids, self._vals = [], [], []
+
+
+REQUIRED = (
+    "load_reference",
+    "hf_weights_from_mlx",
+    "logit_cases",
+    "reference_logits",
+    "mlx_logits",
+    "stream_settings",
+    "reference_commit_stream",
+    "mlx_commit_stream",
+)
+
+
+def check_adapter(module) -> None:
+    """Raise TypeError naming what a family's verify adapter lacks."""
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(f"{module.__name__} lacks verify adapter functions: {', '.join(missing)}")
