@@ -1,0 +1,463 @@
+"""OpenAI-compatible HTTP server for dlm models (``dlm-run serve``).
+
+FastAPI routes validate a request, tokenize it, and queue it on the single
+generation worker (``worker.py``); the response object then relays the worker's
+committed canvases/blocks to the client, as one JSON body or as SSE chunks.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health.  Streams carry text only when a canvas/block is committed, in
+sequence order; DiffusionGemma's thinking goes to ``reasoning_content`` deltas
+in chat streams and is left out of non-streaming responses.  ``stop`` strings
+are applied to the committed text.  A client that disconnects cancels its
+request (polled once per denoising step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import DlmError
+from .events import GenerationEvent, GenerationStats
+from .server_requests import ModelCaps, ParsedRequest, RequestError, bad, parse_chat, parse_completion
+from .worker import GenerationWorker, Job, QueueFull, WorkerStopped
+
+DEFAULT_QUEUE_SIZE = 16
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Options that shape the prompt rather than the generation loop.
+PROMPT_DEFAULTS = ("enable_thinking",)
+
+
+class StopMatcher:
+    """Applies ``stop`` strings to text that arrives in pieces.
+
+    ``feed`` returns the text that is safe to emit: everything before the first
+    stop string, holding back a tail that could still grow into one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.pending = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        if self.hit:
+            return ""
+        buf = self.pending + text
+        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.hit, self.pending = True, ""
+            return buf[: min(found)]
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self.pending = buf[len(buf) - hold:]
+        return buf[: len(buf) - hold]
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return "" if self.hit else out
+
+
+class _Output:
+    """Accumulates one request's events: text after stop strings, reasoning,
+    token count, finish reason and stats."""
+
+    def __init__(self, stops: list[str]):
+        self.matcher = StopMatcher(stops)
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.tokens = 0
+        self.finish_reason: Optional[str] = None
+        self.stats: Optional[GenerationStats] = None
+
+    def add(self, event: GenerationEvent) -> tuple[str, str]:
+        """Take one event; returns the (reasoning, text) deltas to emit now."""
+        if self.finish_reason is not None:
+            return "", ""
+        self.tokens += len(event.token_ids)
+        reasoning = event.reasoning or ""
+        text = self.matcher.feed(event.text or "")
+        if self.matcher.hit:
+            self.finish_reason = "stop"
+        elif event.done:
+            text += self.matcher.flush()
+            # "cancelled" without a client disconnect means a shutdown; report
+            # it as a stop, as mlxcel does.
+            self.finish_reason = "length" if event.finish_reason == "length" else "stop"
+        if event.stats is not None:
+            self.stats = event.stats
+        self.reasoning.append(reasoning)
+        self.text.append(text)
+        return reasoning, text
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.stats.completion_tokens if self.stats is not None else self.tokens
+
+
+def _error_body(exc: BaseException) -> tuple[int, dict]:
+    if isinstance(exc, RequestError):
+        return exc.status, exc.body()
+    if isinstance(exc, DlmError):
+        return 400, RequestError(400, str(exc)).body()
+    if isinstance(exc, WorkerStopped):
+        return 503, RequestError(503, str(exc), err_type="server_error").body()
+    message = f"generation failed: {type(exc).__name__}: {exc}"
+    return 500, RequestError(500, message, err_type="server_error").body()
+
+
+def _sse(obj: Any) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+async def _events(job: Job) -> AsyncIterator[GenerationEvent]:
+    while True:
+        kind, payload = await job.next_message()
+        if kind == "item":
+            yield payload
+        elif kind == "error":
+            raise payload
+        else:
+            return
+
+
+class _JobResponse(Response):
+    """ASGI response that relays one queued job to the client.
+
+    It watches the connection for the whole request: a disconnect (while queued,
+    while generating, or mid-stream) cancels the job, and any early exit frees
+    the worker."""
+
+    def __init__(self, server: "_Server", job: Job, req: ParsedRequest, prompt_tokens: int,
+                 received_at: float):
+        self.server, self.job, self.req = server, job, req
+        self.background = None  # FastAPI attaches background tasks here
+        self.scope: dict = {}
+        self.prompt_tokens = prompt_tokens
+        self.received_at = received_at
+        self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.scope = scope
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        self.server.worker.cancel(self.job)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch_disconnect)
+            try:
+                if self.req.stream:
+                    await self._stream(send)
+                else:
+                    await self._complete(send)
+            finally:
+                self.server.worker.cancel(self.job)  # no-op once the job is done
+                tg.cancel_scope.cancel()
+
+    # -- pieces ------------------------------------------------------------
+    def _usage(self, out: _Output) -> dict:
+        completion = out.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def _timings(self, out: _Output) -> dict:
+        """Serial serving: queueing is part of the latency a client sees."""
+        stats = out.stats
+        timings = {"queue_seconds": round(self.job.queue_seconds, 6),
+                   "total_seconds": round(time.perf_counter() - self.received_at, 6)}
+        if stats is not None:
+            timings.update(prompt_seconds=round(stats.prompt_seconds, 6),
+                           generation_seconds=round(stats.generation_seconds, 6),
+                           steps_per_block=list(stats.steps_per_block), forwards=stats.forwards,
+                           early_stops=stats.early_stops)
+        return timings
+
+    def _head(self) -> dict:
+        obj = "chat.completion" if self.req.kind == "chat" else "text_completion"
+        if self.req.stream:
+            obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.server.model_id}
+
+    async def _send_json(self, send, status: int, body: dict) -> None:
+        await JSONResponse(body, status_code=status)(self.scope, None, send)
+
+    async def _complete(self, send) -> None:
+        out = _Output(self.req.stop)
+        try:
+            async for event in _events(self.job):
+                out.add(event)
+                if out.finish_reason is not None:
+                    break
+        except Exception as exc:
+            await self._send_json(send, *_error_body(exc))
+            return
+        finish = out.finish_reason or "stop"
+        text = "".join(out.text)
+        if self.req.kind == "chat":  # reasoning is left out of non-streaming answers
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        body = {**self._head(), "choices": [choice], "usage": self._usage(out),
+                "timings": self._timings(out)}
+        await self._send_json(send, 200, body)
+
+    def _chunk(self, reasoning: str = "", text: str = "", finish: Optional[str] = None,
+               role: bool = False) -> dict:
+        if self.req.kind == "chat":
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+                delta["content"] = ""
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head(), "choices": [choice]}
+
+    async def _stream(self, send) -> None:
+        out = _Output(self.req.stop)
+        events = _events(self.job)
+        # Hold the status line until the worker answers: a request the runtime
+        # refuses before generating still gets a proper 4xx.
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:
+            await self._send_json(send, *_error_body(exc))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        if self.req.kind == "chat":
+            await body(_sse(self._chunk(role=True)))
+
+        async def emit(event: GenerationEvent) -> None:
+            reasoning, text = out.add(event)
+            if reasoning and self.req.kind == "chat":
+                await body(_sse(self._chunk(reasoning=reasoning)))
+            if text:
+                await body(_sse(self._chunk(text=text)))
+
+        try:
+            if first is not None:
+                await emit(first)
+            if out.finish_reason is None:
+                async for event in events:
+                    await emit(event)
+                    if out.finish_reason is not None:
+                        break
+        except Exception as exc:
+            await body(_sse(_error_body(exc)[1]))
+        else:
+            await body(_sse(self._chunk(finish=out.finish_reason or "stop")))
+            if self.req.include_usage:
+                usage = {**self._head(), "choices": [], "usage": self._usage(out),
+                         "timings": self._timings(out)}
+                await body(_sse(usage))
+        await body(_sse("[DONE]"))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Server:
+    """State shared by the routes: the model, its defaults and the worker."""
+
+    def __init__(self, loaded, defaults: dict, runtime, queue_size: int, model_id: str,
+                 max_body_bytes: int):
+        self.loaded = loaded
+        self.runtime = runtime
+        defaults = dict(defaults or {})
+        self.enable_thinking = bool(defaults.pop("enable_thinking", False))
+        self.defaults = {k: v for k, v in defaults.items() if v is not None}
+        self.model_id = model_id
+        self.max_body_bytes = max_body_bytes
+        self.caps = ModelCaps(family=getattr(getattr(loaded, "family", None), "name", "this"),
+                              text_only=bool(getattr(getattr(loaded, "args", None), "text_only", True)))
+        self.context = getattr(getattr(loaded, "args", None), "max_position_embeddings", None)
+        self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
+        self.worker = GenerationWorker(queue_size=queue_size, after_job=_clear_mlx_cache)
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(413, f"request body exceeds the {limit}-byte limit")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise bad("the request body is empty; send a JSON object")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise bad(f"malformed JSON body: {exc}") from None
+
+    def encode(self, req: ParsedRequest) -> list[int]:
+        with self.tokenizer_lock:
+            if req.kind == "chat":
+                thinking = self.enable_thinking if req.enable_thinking is None else req.enable_thinking
+                return list(self.runtime.encode_prompt(self.loaded, messages=req.messages,
+                                                       chat_template=True, enable_thinking=thinking))
+            return list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt, chat_template=False))
+
+    def check_options(self, options: dict) -> None:
+        """Let the family's settings parser refuse inapplicable options now,
+        before the request takes a queue slot."""
+        family = getattr(self.loaded, "family", None)
+        generation = getattr(family, "generation", None)
+        if generation is None:
+            return
+        settings = getattr(generation(), "Settings", None)
+        if settings is not None:
+            settings.from_options(dict(options), self.loaded.args, self.loaded.generation_config)
+
+    async def handle(self, request: Request, kind: str) -> _JobResponse:
+        received_at = time.perf_counter()
+        body = await self.read_json(request)
+        req = parse_chat(body, self.caps) if kind == "chat" else parse_completion(body, self.caps)
+        options = {**self.defaults, **req.options}
+        try:
+            prompt_ids = await run_in_threadpool(self.encode, req)
+            self.check_options(options)
+        except DlmError as exc:
+            raise bad(str(exc)) from None
+        if not prompt_ids:
+            raise bad("the prompt is empty after tokenization", "messages" if kind == "chat" else "prompt")
+        max_tokens = options.get("max_tokens")
+        if self.context and max_tokens and len(prompt_ids) + max_tokens > self.context:
+            raise bad(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                      f"model context of {self.context} tokens", "max_tokens")
+        loaded, runtime = self.loaded, self.runtime
+
+        def run(cancel):
+            return runtime.stream_generate(loaded, prompt_ids, options, cancel=cancel)
+
+        try:
+            job = self.worker.submit(run)
+        except QueueFull as exc:
+            raise RequestError(429, str(exc), err_type="rate_limit_error") from None
+        except WorkerStopped as exc:
+            raise RequestError(503, str(exc), err_type="server_error") from None
+        return _JobResponse(self, job, req, len(prompt_ids), received_at)
+
+
+def _clear_mlx_cache() -> None:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return
+    clear = getattr(mx, "clear_cache", None)
+    if clear is not None:
+        clear()
+
+
+def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
+               queue_size: int = DEFAULT_QUEUE_SIZE, *, model_id: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, runtime=None) -> FastAPI:
+    """Build the ASGI app serving ``loaded`` (a runtime ``LoadedModel``).
+
+    ``defaults``: generation options (snake_case ``dlm-run generate`` flag
+    names) used when a request does not set them; ``enable_thinking`` there
+    sets the chat default.  ``api_key``: when set, every request needs
+    ``Authorization: Bearer <key>``.  ``queue_size``: requests that may wait
+    behind the running one before new ones get 429.  ``runtime``: the module
+    providing ``encode_prompt`` / ``stream_generate`` (default ``dlm.runtime.api``).
+    """
+    if runtime is None:
+        from . import api as runtime
+    if model_id is None:
+        model_id = Path(str(getattr(loaded, "path", "model"))).name or "model"
+    server = _Server(loaded, defaults or {}, runtime, queue_size, model_id, max_body_bytes)
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 api_key.encode()):
+            raise RequestError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               err_type="authentication_error")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await run_in_threadpool(server.worker.stop)
+
+    app = FastAPI(title="dlm-run serve", lifespan=lifespan, dependencies=[Depends(check_key)],
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.state.worker = server.worker
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError):
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        body = RequestError(exc.status_code, str(exc.detail)).body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_id, "worker": server.worker.status()}
+
+    def model_card() -> dict:
+        return {"id": server.model_id, "object": "model", "created": int(time.time()),
+                "owned_by": "dlm"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != server.model_id:
+            raise RequestError(404, f"model {model!r} not found; this server serves "
+                                    f"{server.model_id!r}", "model")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.handle(request, "completion")
+
+    return app

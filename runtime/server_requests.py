@@ -1,0 +1,264 @@
+"""Validation of OpenAI-style request bodies for ``dlm-run serve``.
+
+Everything a client can get wrong is caught here, before the request reaches
+the generation worker, and reported as a ``RequestError`` (a 4xx with a message
+that names the field).  Which generation options apply to which family is not
+decided here: the family's own settings parser rejects inapplicable options
+(for example ``block_length`` on DiffusionGemma) and the server turns that into
+a 400 as well.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+MAX_STOP_STRINGS = 4
+
+
+class RequestError(Exception):
+    """A request the server refuses; rendered as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 err_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.err_type = err_type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.err_type,
+                          "param": self.param, "code": None}}
+
+
+def bad(message: str, param: str | None = None) -> RequestError:
+    return RequestError(400, message, param)
+
+
+# -- scalar checks -----------------------------------------------------------
+
+def _int(value: Any, name: str, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer, got {type(value).__name__}", name)
+    if minimum is not None and value < minimum:
+        raise bad(f"'{name}' must be >= {minimum}, got {value}", name)
+    return value
+
+
+def _float(value: Any, name: str, minimum: float | None = None, maximum: float | None = None,
+           open_min: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(f"'{name}' must be a finite number, got {value!r}", name)
+    value = float(value)
+    if minimum is not None and (value < minimum or (open_min and value == minimum)):
+        op = ">" if open_min else ">="
+        raise bad(f"'{name}' must be {op} {minimum}, got {value}", name)
+    if maximum is not None and value > maximum:
+        raise bad(f"'{name}' must be <= {maximum}, got {value}", name)
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be true or false, got {type(value).__name__}", name)
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise bad(f"'{name}' must be a string, got {type(value).__name__}", name)
+    return value
+
+
+# -- field tables ------------------------------------------------------------
+
+# OpenAI sampling fields -> (runtime option name, checker).  Runtime options are
+# the snake_case names of `dlm-run generate`'s flags.
+SAMPLING_FIELDS = {
+    "temperature": ("temp", lambda v, n: _float(v, n, 0.0)),
+    "top_p": ("top_p", lambda v, n: _float(v, n, 0.0, 1.0, open_min=True)),
+    "top_k": ("top_k", lambda v, n: _int(v, n, 0)),
+    "seed": ("seed", lambda v, n: _int(v, n, 0)),
+}
+# Diffusion controls sent as extra body fields; their names are the option names.
+DIFFUSION_FIELDS = {
+    "max_denoising_steps": lambda v, n: _int(v, n, 1),
+    "diffusion_sampler": _str,
+    "diffusion_threshold": lambda v, n: _float(v, n, 0.0, 1.0),
+    "diffusion_min_canvas_length": lambda v, n: _int(v, n, 1),
+    "diffusion_max_canvas_length": lambda v, n: _int(v, n, 1),
+    "diffusion_full_canvas": _bool,
+    "block_length": lambda v, n: _int(v, n, 1),
+    "threshold": lambda v, n: _float(v, n, 0.0, 1.0),
+}
+# Accepted and ignored: identify the client, not the generation.
+IGNORED_FIELDS = {"model", "user"}
+COMMON_FIELDS = (set(SAMPLING_FIELDS) | set(DIFFUSION_FIELDS) | IGNORED_FIELDS
+                 | {"max_tokens", "stop", "stream", "stream_options", "n"})
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MESSAGE_KEYS = {"role", "content", "name", "reasoning_content"}
+IMAGE_PARTS = {"image_url", "input_image", "image"}
+AUDIO_PARTS = {"input_audio", "audio_url", "audio"}
+VIDEO_PARTS = {"video_url", "input_video", "video"}
+
+
+@dataclass
+class ModelCaps:
+    """What the loaded model accepts (filled by the server from LoadedModel)."""
+
+    family: str
+    text_only: bool = True
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "chat" | "completion"
+    options: dict = field(default_factory=dict)  # request-level generation options
+    messages: Optional[list[dict]] = None
+    prompt: Optional[str] = None
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    enable_thinking: Optional[bool] = None
+
+
+def _check_fields(body: dict, allowed: set[str], route: str) -> None:
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise bad(f"unsupported field(s) for {route}: {names}", unknown[0])
+
+
+def _common(body: dict, req: ParsedRequest) -> None:
+    if "model" in body and body["model"] is not None:
+        _str(body["model"], "model")
+    if "user" in body and body["user"] is not None:
+        _str(body["user"], "user")
+    if body.get("n") not in (None, 1):
+        raise bad("'n' must be 1: the server returns one choice per request", "n")
+    for name, (option, check) in SAMPLING_FIELDS.items():
+        if body.get(name) is not None:
+            req.options[option] = check(body[name], name)
+    for name, check in DIFFUSION_FIELDS.items():
+        if body.get(name) is not None:
+            req.options[name] = check(body[name], name)
+    if body.get("max_tokens") is not None:
+        req.options["max_tokens"] = _int(body["max_tokens"], "max_tokens", 1)
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise bad("'stop' must be a string or a list of strings", "stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+        if any(s == "" for s in stops):
+            raise bad("'stop' strings must not be empty", "stop")
+        req.stop = stops
+    if body.get("stream") is not None:
+        req.stream = _bool(body["stream"], "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("'stream_options' must be an object", "stream_options")
+        extra = sorted(k for k in opts if k != "include_usage")
+        if extra:
+            raise bad(f"unsupported field(s) in 'stream_options': {', '.join(map(repr, extra))}",
+                      "stream_options")
+        if opts.get("include_usage") is not None:
+            req.include_usage = _bool(opts["include_usage"], "stream_options.include_usage")
+
+
+def _content_text(content: Any, where: str, caps: ModelCaps) -> str:
+    """Flatten a message's content to text, refusing media the model cannot take."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"'{where}.content' must be a string or a list of content parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        pwhere = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad(f"'{pwhere}' must be an object with a string 'type'", pwhere)
+        kind = part["type"]
+        if kind == "text":
+            texts.append(_str(part.get("text"), f"{pwhere}.text"))
+        elif kind in IMAGE_PARTS:
+            if caps.text_only:
+                raise bad(f"'{pwhere}': this {caps.family} model is text-only and takes no image input",
+                          pwhere)
+            # The runtime API takes text prompts only (no image path yet).
+            raise bad(f"'{pwhere}': image input is not supported by dlm-run serve yet", pwhere)
+        elif kind in AUDIO_PARTS or kind in VIDEO_PARTS:
+            media = "audio" if kind in AUDIO_PARTS else "video"
+            raise bad(f"'{pwhere}': {media} input is not supported for {caps.family} models", pwhere)
+        else:
+            raise bad(f"'{pwhere}': unsupported content part type {kind!r}", pwhere)
+    return "".join(texts)
+
+
+def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
+    req = ParsedRequest(kind="chat")
+    _common(body, req)
+    if body.get("max_completion_tokens") is not None:
+        req.options["max_tokens"] = _int(body["max_completion_tokens"], "max_completion_tokens", 1)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        extra = sorted(k for k in kwargs if k != "enable_thinking")
+        if extra:
+            raise bad("unsupported field(s) in 'chat_template_kwargs': "
+                      f"{', '.join(map(repr, extra))} (only 'enable_thinking')", "chat_template_kwargs")
+        if kwargs.get("enable_thinking") is not None:
+            req.enable_thinking = _bool(kwargs["enable_thinking"],
+                                        "chat_template_kwargs.enable_thinking")
+
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad(f"'{where}' must be an object", where)
+        extra = sorted(k for k in msg if k not in MESSAGE_KEYS)
+        if extra:
+            raise bad(f"unsupported field(s) in '{where}': {', '.join(map(repr, extra))}", where)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad(f"'{where}.role' must be one of {', '.join(sorted(ROLES))}, got {role!r}",
+                      f"{where}.role")
+        # reasoning_content of earlier assistant turns is dropped on purpose:
+        # thoughts stay out of the multi-turn history (model card).
+        out.append({"role": ROLES[role], "content": _content_text(msg.get("content"), where, caps)})
+    if not any(m["content"] for m in out):
+        raise bad("the prompt is empty: every message has empty content", "messages")
+    req.messages = out
+    return req
+
+
+def parse_completion(body: Any, caps: ModelCaps) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
+    req = ParsedRequest(kind="completion")
+    _common(body, req)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad("'prompt' must be a string (one prompt per request)", "prompt")
+    if prompt == "":
+        raise bad("the prompt is empty", "prompt")
+    req.prompt = prompt
+    return req
