@@ -1,0 +1,174 @@
+"""Numbers that compare two sets of logits or two commit streams (numpy only).
+
+All logits are float32 ``[positions, vocab]``; reductions run in float64 so
+that the metrics themselves add no error at the 1e-6 level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .protocol import CommitStream
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+
+
+def logits_metrics(ref: np.ndarray, mlx: np.ndarray) -> dict:
+    """max/mean |Δ|, top-1 agreement, KL(ref ‖ mlx) and entropy differences."""
+    ref = np.asarray(ref, np.float64)
+    mlx = np.asarray(mlx, np.float64)
+    if ref.shape != mlx.shape:
+        raise ValueError(f"logits shapes differ: reference {ref.shape}, MLX {mlx.shape}")
+    diff = np.abs(ref - mlx)
+    if not np.all(np.isfinite(mlx)):
+        return dict(max_abs=float("inf"), mean_abs=float("inf"), top1=0.0, kl_mean=float("inf"),
+                    kl_max=float("inf"), entropy_diff_mean=float("inf"), entropy_diff_max=float("inf"),
+                    positions=int(ref.shape[0]), nonfinite=int((~np.isfinite(mlx)).sum()))
+    lp_ref, lp_mlx = _log_softmax(ref), _log_softmax(mlx)
+    p_ref, p_mlx = np.exp(lp_ref), np.exp(lp_mlx)
+    kl = (p_ref * (lp_ref - lp_mlx)).sum(-1)
+    h_ref = -(p_ref * lp_ref).sum(-1)
+    h_mlx = -(p_mlx * lp_mlx).sum(-1)
+    dh = np.abs(h_ref - h_mlx)
+    return dict(
+        max_abs=float(diff.max()),
+        mean_abs=float(diff.mean()),
+        top1=float((ref.argmax(-1) == mlx.argmax(-1)).mean()),
+        kl_mean=float(np.maximum(kl, 0).mean()),
+        kl_max=float(np.maximum(kl, 0).max()),
+        entropy_diff_mean=float(dh.mean()),
+        entropy_diff_max=float(dh.max()),
+        positions=int(ref.shape[0]),
+    )
+
+
+def aggregate(per_case: dict[str, dict]) -> dict:
+    """Worst case over cases for errors, mean for top-1/KL (the gate is per metric)."""
+    if not per_case:
+        return {}
+    rows = list(per_case.values())
+    weights = np.array([r["positions"] for r in rows], np.float64)
+
+    def wmean(key):
+        return float(np.average([r[key] for r in rows], weights=weights))
+
+    return dict(
+        max_abs=max(r["max_abs"] for r in rows),
+        mean_abs=wmean("mean_abs"),
+        top1=wmean("top1"),
+        top1_min=min(r["top1"] for r in rows),
+        kl_mean=wmean("kl_mean"),
+        kl_max=max(r["kl_max"] for r in rows),
+        entropy_diff_mean=wmean("entropy_diff_mean"),
+        entropy_diff_max=max(r["entropy_diff_max"] for r in rows),
+        cases=len(rows),
+        positions=int(weights.sum()),
+    )
+
+
+@dataclass
+class Divergence:
+    """Where two commit streams first differ."""
+
+    block: int
+    step: Optional[int]  # None: the step traces agree but the commits do not
+    position: int
+    reference_token: int
+    mlx_token: int
+    # The two candidates' logits in each framework (None: not in that trace's top-K).
+    reference_logits: dict
+    mlx_logits: dict
+    reason: str
+
+    def to_dict(self) -> dict:
+        return dict(
+            block=self.block, step=self.step, position=self.position,
+            reference_token=self.reference_token, mlx_token=self.mlx_token,
+            reference_logits=self.reference_logits, mlx_logits=self.mlx_logits, reason=self.reason,
+        )
+
+    def describe(self) -> str:
+        step = "final commit" if self.step is None else f"step {self.step + 1}"
+        return (
+            f"canvas {self.block}, {step}, position {self.position}: reference {self.reference_token} "
+            f"(logits ref {_fmt(self.reference_logits.get(str(self.reference_token)))} / mlx "
+            f"{_fmt(self.mlx_logits.get(str(self.reference_token)))}) vs MLX {self.mlx_token} "
+            f"(ref {_fmt(self.reference_logits.get(str(self.mlx_token)))} / mlx "
+            f"{_fmt(self.mlx_logits.get(str(self.mlx_token)))}); {self.reason}"
+        )
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def _candidate_logits(ids: np.ndarray, vals: np.ndarray, tokens: tuple[int, int]) -> dict:
+    out = {}
+    for t in tokens:
+        hit = np.nonzero(ids == t)[0]
+        out[str(t)] = float(vals[hit[0]]) if hit.size else None
+    return out
+
+
+def first_divergence(ref: CommitStream, mlx: CommitStream) -> Optional[Divergence]:
+    """First (block, step, position) where the two generations differ."""
+    for b, (rb, mb) in enumerate(zip(ref.blocks, mlx.blocks)):
+        steps = min(rb.steps, mb.steps)
+        for s in range(steps):
+            ra, ma = rb.step_argmax[s], mb.step_argmax[s]
+            if ra.shape == ma.shape and not np.array_equal(ra, ma):
+                p = int(np.nonzero(ra != ma)[0][0])
+                pair = (int(ra[p]), int(ma[p]))
+                return Divergence(
+                    b, s, p, pair[0], pair[1],
+                    _candidate_logits(rb.topk_ids[s, p], rb.topk_logits[s, p], pair),
+                    _candidate_logits(mb.topk_ids[s, p], mb.topk_logits[s, p], pair),
+                    "argmax differs at this denoising step",
+                )
+        if rb.steps != mb.steps:
+            s = steps - 1 if steps else None
+            return Divergence(
+                b, s, -1, -1, -1, {}, {},
+                f"same argmax for {steps} steps, then the reference ran {rb.steps} steps and MLX {mb.steps}",
+            )
+        if rb.tokens != mb.tokens:
+            n = min(len(rb.tokens), len(mb.tokens))
+            p = next((j for j in range(n) if rb.tokens[j] != mb.tokens[j]), n)
+            rt = rb.tokens[p] if p < len(rb.tokens) else -1
+            mt = mb.tokens[p] if p < len(mb.tokens) else -1
+            return Divergence(b, None, p, rt, mt, {}, {}, "committed tokens differ (EOS handling?)")
+    if len(ref.blocks) != len(mlx.blocks):
+        b = min(len(ref.blocks), len(mlx.blocks))
+        return Divergence(
+            b, None, -1, -1, -1, {}, {},
+            f"reference committed {len(ref.blocks)} canvases ({ref.finish_reason}), "
+            f"MLX {len(mlx.blocks)} ({mlx.finish_reason})",
+        )
+    return None
+
+
+def stream_metrics(ref: CommitStream, mlx: CommitStream) -> dict:
+    """Committed-token agreement and denoising-step drift of one prompt."""
+    rt, mt = ref.tokens, mlx.tokens
+    n = max(len(rt), len(mt), 1)
+    same = sum(1 for a, b in zip(rt, mt) if a == b)
+    rs, ms = ref.steps_per_block, mlx.steps_per_block
+    k = min(len(rs), len(ms))
+    return dict(
+        identical=rt == mt and ref.finish_reason == mlx.finish_reason,
+        token_match=same / n,
+        reference_tokens=len(rt),
+        mlx_tokens=len(mt),
+        reference_steps=rs,
+        mlx_steps=ms,
+        steps_delta_mean=float(np.mean([ms[i] - rs[i] for i in range(k)])) if k else 0.0,
+        reference_steps_mean=float(np.mean(rs)) if rs else 0.0,
+        mlx_steps_mean=float(np.mean(ms)) if ms else 0.0,
+    )

@@ -1,0 +1,481 @@
+"""DiffusionGemma verify adapter: the PyTorch reference (transformers'
+``DiffusionGemmaForBlockDiffusion``) and the matching MLX calls.
+
+Implements the protocol of ``dlm.verify.protocol``. The reference is the
+transformers 5.24 implementation itself, run on CPU; the deterministic
+generation is its own ``generate`` with the debug canvas of reference §4.9
+(every ``torch.randint`` draw of the sampler replaced by the n-th debug
+pattern, ``torch.multinomial`` by the argmax). torch and transformers are
+imported lazily: the MLX half of this module runs on machines without them
+(bundle comparisons).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlm.runtime.errors import ConfigError, DlmError, WeightError
+
+from .protocol import CommitStream, LogitCase, TraceRecorder
+
+SC_TOPK = 64  # self-conditioning inputs are stored as top-K + tail mass (bundles stay small)
+DTYPES = ("float32", "bfloat16", "float16")
+# Tiny stand-in for the vision tower when the config has none (text-only
+# conversions): transformers always builds one, and its default is 150M params.
+_STUB_VISION = dict(
+    hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+    num_key_value_heads=1, head_dim=8, patch_size=4, pooling_kernel_size=2,
+    position_embedding_size=8,
+)
+_GEN_KEYS = (
+    "max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold",
+    "eos_token_id", "pad_token_id", "bos_token_id",
+)
+_GEN_DEFAULTS = dict(
+    max_denoising_steps=48, t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.005,
+    entropy_bound=0.1,
+)
+
+
+def debug_pattern(n: int, length: int, vocab: int) -> np.ndarray:
+    """The n-th debug canvas (reference §4.9): x[i] = ((i+1)*7919 + n*104729) mod V."""
+    i = np.arange(length, dtype=np.int64)
+    return (((i + 1) * 7919 + n * 104729) % vocab).astype(np.int64)
+
+
+def _text_config(config: dict) -> dict:
+    return config["text_config"] if config.get("model_type") == "diffusion_gemma" else config
+
+
+def _vocab(config: dict) -> int:
+    return int(_text_config(config)["vocab_size"])
+
+
+def _canvas_length(config: dict) -> int:
+    return int(config.get("canvas_length", 256))
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--reference-dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    return getattr(torch, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Reference:
+    model: Any  # DiffusionGemmaForBlockDiffusion
+    config: dict
+    generation_config: dict
+    dtype: str
+    path: Path
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
+
+
+def _hf_config_dict(config: dict) -> dict:
+    """A config.json (original or converted) as transformers' DiffusionGemmaConfig accepts it."""
+    cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config", "dlm")}
+    if cfg.get("model_type") == "diffusion_gemma_text":
+        # A bare text config: wrap it (the reference class is the full model).
+        cfg = {"model_type": "diffusion_gemma", "text_config": cfg}
+    if not cfg.get("vision_config"):
+        cfg["vision_config"] = dict(_STUB_VISION, model_type="gemma4_vision")
+    return cfg
+
+
+def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
+                   trust_remote_code: bool = False) -> Reference:
+    """transformers' DiffusionGemmaForBlockDiffusion on CPU (see the protocol).
+
+    DiffusionGemma is native to transformers >= 5.24, so no checkpoint code is
+    ever run; ``trust_remote_code`` is accepted for the protocol and ignored.
+    """
+    import torch
+
+    path = Path(path)
+    torch_dtype = _torch_dtype(dtype)
+    config = _read_json(path / "config.json")
+    if config.get("model_type") not in ("diffusion_gemma", "diffusion_gemma_text"):
+        raise ConfigError(f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not DiffusionGemma")
+    try:
+        from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise DlmError(
+            f"the DiffusionGemma reference needs transformers>=5.24 with DiffusionGemma ({exc})"
+        ) from None
+    gen_path = path / "generation_config.json"
+    generation_config = _read_json(gen_path) if gen_path.exists() else {}
+    notes: list[str] = []
+
+    if weights is None:
+        if not any(path.glob("*.safetensors")):
+            raise WeightError(
+                f"{path}: no *.safetensors files (dlm-verify loads reference weights only from safetensors)"
+            )
+        try:
+            model = DiffusionGemmaForBlockDiffusion.from_pretrained(
+                str(path), dtype=torch_dtype, use_safetensors=True
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise DlmError(f"could not load the reference from {path}: {exc}") from None
+    else:
+        hf_config = DiffusionGemmaConfig.from_dict(_hf_config_dict(config))
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = DiffusionGemmaForBlockDiffusion(hf_config)
+        _load_weights(model, weights, torch_dtype)
+        notes.append("weights: the MLX model's (dequantized)")
+    model = model.to(torch_dtype).eval()
+    return Reference(model, config, generation_config, dtype, path, notes)
+
+
+def _load_weights(model, weights: dict, torch_dtype) -> None:
+    """Copy ``{hf_name: array}`` into the model; every decoder tensor and
+    encoder layer scalar must be provided (tied encoder weights follow)."""
+    import torch
+
+    own = dict(model.named_parameters())
+    own.update(dict(model.named_buffers()))
+    need = {
+        n for n in own
+        if n.startswith("model.decoder.")
+        or (n.startswith("model.encoder.language_model.layers.") and n.endswith("layer_scalar"))
+    }
+    with torch.no_grad():
+        for name, value in weights.items():
+            if name not in own:
+                raise WeightError(f"MLX tensor {name} has no counterpart in the PyTorch reference")
+            target = own[name]
+            src = torch.from_numpy(np.ascontiguousarray(value))
+            if tuple(src.shape) != tuple(target.shape):
+                raise WeightError(
+                    f"MLX tensor {name} has shape {list(src.shape)}; the reference expects {list(target.shape)}"
+                )
+            target.data = src.to(torch_dtype).clone()
+            need.discard(name)
+    missing = sorted(n for n in need if not n.endswith("inv_freq") and "rotary" not in n
+                     and not n.endswith("embed_scale"))
+    if missing:
+        raise WeightError(f"the MLX model lacks tensor {missing[0]} (and {len(missing) - 1} more)")
+    model.tie_weights()
+
+
+def hf_weights_from_mlx(mlx_weights: dict, config: dict) -> dict:
+    """MLX names -> HF names (converter plan: fused experts gained '.weight')."""
+    out = {}
+    for name, value in mlx_weights.items():
+        if name.endswith(("experts.gate_up_proj.weight", "experts.down_proj.weight")):
+            name = name[: -len(".weight")]
+        if name == "lm_head.weight":  # tied to embed_tokens
+            continue
+        out[name] = value
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Logit cases
+# ---------------------------------------------------------------------------
+
+
+def logit_cases(config: dict, prompts: list[list[int]], generation_config: dict) -> list[LogitCase]:
+    """Per prompt: prefill + one decoder step on the arange canvas (as
+    transformers' integration test) and on the first debug-canvas pattern,
+    each without and with self-conditioning; for the first and the last
+    prompt also a decoder step on the next canvas after committing one canvas
+    (re-encode at the same positions, sliding window across canvases)."""
+    L, V = _canvas_length(config), _vocab(config)
+    t_max = float(generation_config.get("t_max") or _GEN_DEFAULTS["t_max"])
+    canvases = {"arange": np.arange(L, dtype=np.int64) % V, "debug": debug_pattern(0, L, V)}
+    cases: list[LogitCase] = []
+    for i, prompt in enumerate(prompts):
+        for cname, canvas in canvases.items():
+            base = f"p{i}.{cname}"
+            cases.append(LogitCase(base, list(prompt), {"canvas": canvas}, {"canvas": cname}))
+            cases.append(
+                LogitCase(
+                    base + ".sc", list(prompt), {"canvas": canvas},
+                    {"canvas": cname, "sc_from": base, "sc_temperature": t_max},
+                )
+            )
+        if i in (0, len(prompts) - 1) and (i == 0 or len(prompts) > 1):
+            cases.append(
+                LogitCase(
+                    f"p{i}.next", list(prompt),
+                    {"committed": debug_pattern(1, L, V), "canvas": debug_pattern(2, L, V)},
+                    {"canvas": "debug", "committed": "debug"},
+                )
+            )
+    return cases
+
+
+def sc_inputs(logits: np.ndarray, temperature: float, k: int = SC_TOPK) -> dict[str, np.ndarray]:
+    """Self-conditioning input = the previous step's processed logits
+    (logits / T), stored as the top-k entries per position plus one fill value
+    that keeps the tail's total probability mass."""
+    x = np.asarray(logits, np.float64) / temperature
+    V = x.shape[-1]
+    k = min(k, V - 1)
+    ids = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    vals = np.take_along_axis(x, ids, axis=-1)
+    mask = np.ones_like(x, dtype=bool)
+    np.put_along_axis(mask, ids, False, axis=-1)
+    tail = np.where(mask, x, -np.inf)
+    m = tail.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(tail - m).sum(-1, keepdims=True)))[:, 0]
+    fill = lse - math.log(V - k)
+    return {
+        "sc_ids": ids.astype(np.int32),
+        "sc_vals": vals.astype(np.float32),
+        "sc_fill": fill.astype(np.float32),
+    }
+
+
+def dense_sc(arrays: dict, vocab: int) -> np.ndarray | None:
+    """[L, V] float32 self-conditioning logits from a case's sparse inputs."""
+    if "sc_ids" not in arrays:
+        return None
+    fill = np.asarray(arrays["sc_fill"], np.float32)
+    dense = np.repeat(fill[:, None], vocab, axis=1)
+    np.put_along_axis(dense, np.asarray(arrays["sc_ids"], np.int64), np.asarray(arrays["sc_vals"], np.float32), -1)
+    return dense
+
+
+def _complete_case(case: LogitCase, done: dict) -> None:
+    src = case.meta.get("sc_from")
+    if src and "sc_ids" not in case.arrays:
+        if src not in done:
+            raise DlmError(f"case {case.name} needs the logits of case {src} first")
+        case.arrays.update(sc_inputs(done[src], float(case.meta["sc_temperature"])))
+
+
+def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
+    """Prefill (+ optional committed canvas) then one decoder step, exactly as
+    ``generate`` calls the encoder and the decoder (dynamic cache)."""
+    import torch
+    from transformers import DynamicCache
+
+    _complete_case(case, done)
+    model = ref.model
+    L = _canvas_length(ref.config)
+    V = _vocab(ref.config)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+        ids = torch.tensor([case.prompt_ids], dtype=torch.long)
+        pos = _encode(model, ids, cache, start=0, prefill=True)
+        if "committed" in case.arrays:
+            committed = torch.from_numpy(np.asarray(case.arrays["committed"], np.int64))[None]
+            ids = torch.cat([ids, committed], dim=-1)
+            pos = _encode(model, ids, cache, start=pos, prefill=False)
+        canvas = torch.from_numpy(np.asarray(case.arrays["canvas"], np.int64))[None]
+        sc = dense_sc(case.arrays, V)
+        sc_t = None
+        if sc is not None:
+            sc_t = torch.from_numpy(sc)[None].to(model.model.decoder.embed_tokens.weight.dtype)
+        out = _decode(model, canvas, sc_t, cache, pos, L)
+    return out[0].float().numpy()
+
+
+def _encode(model, ids, cache, *, start: int, prefill: bool) -> int:
+    """Run the encoder on the uncached tokens of ``ids``; returns the new length."""
+    import torch
+
+    L = model.config.canvas_length
+    total = ids.shape[1]
+    new = total - start
+    if not prefill and new != L:
+        raise DlmError("a committed canvas must be exactly canvas_length tokens")
+    positions = torch.arange(start, total, dtype=torch.int32)[None]
+    attention = torch.ones((1, total), dtype=torch.bool)
+    unprocessed, masks = model._prepare_encoder_inputs(
+        input_ids=ids, attention_mask=attention, encoder_position_ids=positions, cache=cache,
+        is_prefill=prefill, canvas_length=L, batch_size=1,
+    )
+    model.model.encoder(input_ids=unprocessed, attention_mask=masks, cache=cache, position_ids=positions)
+    return total
+
+
+def _decode(model, canvas, sc_logits, cache, start: int, L: int):
+    import torch
+
+    positions = torch.arange(start, start + L, dtype=torch.int32)[None]
+    decoder_mask = torch.ones((1, start + L), dtype=torch.bool)
+    masks = model.model.decoder.create_diffusion_decoder_attention_mask(
+        config=model.config, inputs_embeds=canvas.unsqueeze(-1), cache=cache,
+        decoder_attention_mask=decoder_mask,
+    )
+    out = model(
+        decoder_input_ids=canvas, self_conditioning_logits=sc_logits, decoder_attention_mask=masks,
+        cache=cache, decoder_position_ids=positions,
+    )
+    return out.logits
+
+
+# ---------------------------------------------------------------------------
+# Deterministic generation (debug canvas)
+# ---------------------------------------------------------------------------
+
+
+def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
+                    steps: int | None = None) -> dict:
+    gen = dict(_GEN_DEFAULTS)
+    gen.update({k: generation_config[k] for k in _GEN_KEYS if generation_config.get(k) is not None})
+    sampler = generation_config.get("sampler_config") or {}
+    if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        gen["entropy_bound"] = float(sampler["entropy_bound"])
+    if steps is not None:
+        gen["max_denoising_steps"] = int(steps)
+    eos = gen.get("eos_token_id", _text_config(config).get("eos_token_id", 1))
+    gen["eos_token_id"] = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    gen["max_new_tokens"] = int(blocks) * _canvas_length(config)
+    gen["debug_canvas"] = True
+    return gen
+
+
+def _truncate_at_eos(tokens: list[int], eos: list[int]) -> tuple[list[int], bool]:
+    for j, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:j], True
+    return tokens, False
+
+
+@contextlib.contextmanager
+def debug_canvas_rng(vocab: int, length: int):
+    """Replace the sampler's randomness by the debug canvas (reference §4.9).
+
+    Every ``torch.randint(0, V, (B, L))`` returns the n-th pattern (n counts
+    draws: canvas init and per-step renoise, in call order);
+    ``torch.multinomial`` returns the argmax of the probabilities."""
+    import torch
+
+    real_randint, real_multinomial = torch.randint, torch.multinomial
+    counter = {"n": 0}
+
+    def randint(*args, **kwargs):
+        rest = list(args)
+        size = kwargs.get("size")
+        if size is None and rest and isinstance(rest[-1], (tuple, list, torch.Size)):
+            size = rest.pop()
+        if "high" in kwargs:
+            low, high = kwargs.get("low", rest[0] if rest else 0), kwargs["high"]
+        elif len(rest) >= 2:
+            low, high = rest[0], rest[1]
+        elif len(rest) == 1:
+            low, high = kwargs.get("low", 0), rest[0]
+        else:
+            low = high = None
+        if low == 0 and high == vocab and size is not None and tuple(size)[-1] == length:
+            n = counter["n"]
+            counter["n"] += 1
+            row = torch.from_numpy(debug_pattern(n, length, vocab))
+            return row.expand(tuple(size)).clone().to(kwargs.get("device") or "cpu")
+        return real_randint(*args, **kwargs)
+
+    def multinomial(probs, num_samples, *args, **kwargs):
+        if num_samples != 1:
+            return real_multinomial(probs, num_samples, *args, **kwargs)
+        return probs.argmax(dim=-1, keepdim=True)
+
+    torch.randint, torch.multinomial = randint, multinomial
+    try:
+        yield counter
+    finally:
+        torch.randint, torch.multinomial = real_randint, real_multinomial
+
+
+class _CanvasStreamer:
+    """Collects what generate() commits (``put``) per canvas."""
+
+    def __init__(self):
+        self.puts: list[list[int]] = []
+
+    def put(self, value):
+        self.puts.append([int(t) for t in value.reshape(-1).tolist()])
+
+    def put_draft(self, value=None, logits=None):
+        pass
+
+    def end(self):
+        pass
+
+
+def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dict) -> CommitStream:
+    """transformers' own ``generate`` under the debug canvas, with a per-step trace."""
+    import torch
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        DiffusionGemmaGenerationConfig,
+    )
+
+    model = ref.model
+    L, V = _canvas_length(ref.config), _vocab(ref.config)
+    gen = DiffusionGemmaGenerationConfig(
+        max_new_tokens=settings["max_new_tokens"],
+        max_denoising_steps=settings["max_denoising_steps"],
+        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": settings["entropy_bound"]},
+        t_min=float(settings["t_min"]), t_max=float(settings["t_max"]),
+        stability_threshold=int(settings["stability_threshold"]),
+        confidence_threshold=float(settings["confidence_threshold"]),
+        eos_token_id=settings["eos_token_id"], pad_token_id=settings.get("pad_token_id"),
+    )
+    # One recorder per canvas, keyed by the canvas's first decoder position.
+    canvases: dict[int, TraceRecorder] = {}
+    streamer = _CanvasStreamer()
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        positions = kwargs.get("decoder_position_ids")
+        if kwargs.get("decoder_input_ids") is not None and positions is not None:
+            start = int(positions.reshape(-1)[0])
+            canvases.setdefault(start, TraceRecorder(prompt_ids)).step(out.logits[0].float().numpy())
+        return out
+
+    model.forward = forward
+    try:
+        with torch.no_grad(), debug_canvas_rng(V, L):
+            model.generate(torch.tensor([prompt_ids], dtype=torch.long), generation_config=gen,
+                           streamer=streamer)
+    finally:
+        del model.forward
+    committed = streamer.puts[1:]  # the first put is the prompt
+    return assemble_stream(prompt_ids, [canvases[k] for k in sorted(canvases)], committed,
+                           settings["eos_token_id"])
+
+
+def assemble_stream(prompt_ids: list[int], recorders: list[TraceRecorder], committed: list[list[int]],
+                    eos: list[int]) -> CommitStream:
+    """One block per committed canvas, cut at the first EOS (EOS excluded);
+    finish_reason "stop" when an EOS was committed, else "length"."""
+    if len(recorders) != len(committed):
+        raise DlmError(f"{len(committed)} committed canvases but {len(recorders)} traced canvases")
+    stream = CommitStream(prompt_ids=list(prompt_ids), blocks=[], finish_reason="length")
+    for rec, canvas in zip(recorders, committed):
+        tokens, hit = _truncate_at_eos(list(canvas), eos)
+        rec.commit(tokens)
+        stream.blocks.append(rec.stream.blocks[-1])
+        if hit:
+            stream.finish_reason = "stop"
+            break
+    return stream
