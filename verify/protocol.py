@@ -66,6 +66,10 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     The dtype the MLX model computes in ("float32", "bfloat16", ...). Default:
     the dtype of its unquantized floating-point weights.
 
+Import torch and transformers inside the ``reference_*`` / ``load_reference``
+functions, never at module level: ``dlm-verify --parity MLX_DIR --bundle B``
+imports the adapter for its MLX half on machines without torch.
+
 Shared data (this module)
 -------------------------
 ``LogitCase`` (inputs of one forward pass), ``BlockTrace`` / ``CommitStream``
