@@ -1,0 +1,137 @@
+"""The four parity checks: numbers, thresholds and a verdict each.
+
+Generic over families: inputs are per-case logits and commit streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import metrics as M
+from .protocol import CommitStream
+from .thresholds import evaluate, thresholds_for
+from .weights import Precision
+
+TITLES = {
+    "logits": "Logits vs the original weights",
+    "implementation": "Implementation parity (same weights)",
+    "drift": "Quantization drift",
+    "commit_stream": "Commit streams (debug canvas)",
+}
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # "pass" | "fail" | "skip"
+    metrics: dict = field(default_factory=dict)
+    thresholds: dict = field(default_factory=dict)  # metric -> [op, value]
+    precision_class: str = ""
+    failures: list[str] = field(default_factory=list)
+    note: str = ""
+    details: dict = field(default_factory=dict)
+
+    @property
+    def title(self) -> str:
+        return TITLES.get(self.name, self.name)
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "fail"
+
+    def to_dict(self) -> dict:
+        return dict(
+            name=self.name, title=self.title, status=self.status, passed=self.passed,
+            metrics=self.metrics, thresholds=self.thresholds, precision_class=self.precision_class,
+            failures=self.failures, note=self.note, details=self.details,
+        )
+
+
+def skipped(name: str, note: str) -> CheckResult:
+    return CheckResult(name, "skip", note=note)
+
+
+def _verdict(name: str, metrics: dict, prec: Precision, overrides: dict | None, note: str = "",
+             details: dict | None = None) -> CheckResult:
+    cls, bounds = thresholds_for(name, prec.label, prec.compute_dtype, prec.bits, overrides)
+    ok, failures = evaluate(metrics, bounds)
+    return CheckResult(
+        name, "pass" if ok else "fail", metrics, {k: [op, v] for k, (op, v) in bounds.items()},
+        cls, failures, note, details or {},
+    )
+
+
+def _per_case(ref: dict[str, np.ndarray], mlx: dict[str, np.ndarray]) -> dict[str, dict]:
+    return {name: M.logits_metrics(ref[name], mlx[name]) for name in ref if name in mlx}
+
+
+def check_logits(name: str, ref: dict[str, np.ndarray], mlx: dict[str, np.ndarray], prec: Precision,
+                 overrides: dict | None = None, note: str = "") -> CheckResult:
+    """``logits`` (vs original) and ``implementation`` (vs same weights)."""
+    per_case = _per_case(ref, mlx)
+    if not per_case:
+        return skipped(name, "no logit cases")
+    worst = max(per_case, key=lambda k: (per_case[k]["max_abs"], -per_case[k]["top1"]))
+    details = {"cases": per_case, "worst_case": worst}
+    return _verdict(name, M.aggregate(per_case), prec, overrides, note, details)
+
+
+def _stream_rows(ref: list[CommitStream], mlx: list[CommitStream]) -> list[dict]:
+    rows = []
+    for i, (r, m) in enumerate(zip(ref, mlx)):
+        row = M.stream_metrics(r, m)
+        div = M.first_divergence(r, m)
+        row["prompt"] = i
+        row["divergence"] = div.to_dict() if div else None
+        row["divergence_text"] = div.describe() if div else None
+        rows.append(row)
+    return rows
+
+
+def check_commit_stream(ref: list[CommitStream], mlx: list[CommitStream], prec: Precision,
+                        overrides: dict | None = None, note: str = "",
+                        original: Optional[list[CommitStream]] = None) -> CheckResult:
+    if not ref or not mlx:
+        return skipped("commit_stream", "no commit streams")
+    rows = _stream_rows(ref, mlx)
+    metrics = dict(
+        identical_fraction=float(np.mean([r["identical"] for r in rows])),
+        token_match=float(np.mean([r["token_match"] for r in rows])),
+        prompts=len(rows),
+        tokens=int(sum(r["reference_tokens"] for r in rows)),
+    )
+    details: dict = {"prompts": rows}
+    if original is not None and original is not ref:
+        orig = [M.stream_metrics(o, m) for o, m in zip(original, mlx)]
+        metrics["vs_original_token_match"] = float(np.mean([o["token_match"] for o in orig]))
+    first = next((r for r in rows if r["divergence"]), None)
+    if first:
+        details["first_divergence"] = f"prompt {first['prompt']}: {first['divergence_text']}"
+    return _verdict("commit_stream", metrics, prec, overrides, note, details)
+
+
+def check_drift(orig_logits: dict, mlx_logits: dict, orig_streams: list[CommitStream],
+                mlx_streams: list[CommitStream], prec: Precision,
+                overrides: dict | None = None) -> CheckResult:
+    if not prec.quantized:
+        return skipped("drift", f"not quantized ({prec.label})")
+    per_case = _per_case(orig_logits, mlx_logits)
+    agg = M.aggregate(per_case)
+    rows = [M.stream_metrics(o, m) for o, m in zip(orig_streams, mlx_streams)]
+    ref_steps = float(np.mean([r["reference_steps_mean"] for r in rows])) if rows else 0.0
+    mlx_steps = float(np.mean([r["mlx_steps_mean"] for r in rows])) if rows else 0.0
+    metrics = dict(
+        kl_mean=agg.get("kl_mean"),
+        kl_max=agg.get("kl_max"),
+        top1=agg.get("top1"),
+        commit_match=float(np.mean([r["token_match"] for r in rows])) if rows else None,
+        reference_steps_per_canvas=ref_steps,
+        mlx_steps_per_canvas=mlx_steps,
+        steps_delta=mlx_steps - ref_steps,
+        steps_ratio=(mlx_steps / ref_steps) if ref_steps else None,
+    )
+    details = {"streams": [{k: r[k] for k in ("token_match", "reference_steps", "mlx_steps")} for r in rows]}
+    return _verdict("drift", metrics, prec, overrides, "", details)

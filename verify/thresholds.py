@@ -1,0 +1,120 @@
+"""Per-precision pass/fail thresholds of the parity checks.
+
+A threshold is ``(metric, op, value)``: the check passes when every metric
+satisfies its bound; ``value=None`` makes a metric informational (reported,
+never failing). The defaults are meant for real checkpoints:
+
+* ``logits`` (converted model vs the original weights): tight in float32
+  (f32 kernels agree to ~1e-5 on a ±30 softcapped scale), loose for
+  half precision and quantized models, whose error is mostly rounding.
+* ``implementation`` (same weights on both sides, both computing in the MLX
+  model's dtype): keyed by that compute dtype, not by the bit width, so a
+  4-bit model with float32 scales is held to float32 tolerances.
+* ``drift`` (quantized vs original): KL / top-1 like llama.cpp's KLD
+  statistics (Q4_K_M: mean KLD ~0.03-0.06, same-top ~86-98%), the share of
+  committed tokens that match and the growth of denoising steps per canvas
+  (quantized logits make the entropy-bound sampler run longer; field notes §6.1).
+* ``commit_stream`` (debug-canvas generation vs the reference with the same
+  weights): identical where the compute dtype is float32.
+
+Tiny random test models are chaotic (1e-4 relative weight noise moves logits
+by ~0.5), so their drift numbers are not meaningful: pass ``--thresholds``
+with a JSON file to loosen or silence metrics, e.g.
+``{"drift": {"kl_mean": null, "top1": null}}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from dlm.runtime.errors import ConfigError
+
+Bound = tuple[str, object]  # (op, value)
+
+_F32 = {"max_abs": ("<=", 1e-3), "top1": (">=", 0.999), "kl_mean": ("<=", 1e-6), "entropy_diff_max": ("<=", 1e-3)}
+_HALF = {"max_abs": ("<=", None), "mean_abs": ("<=", 0.1), "top1": (">=", 0.9), "kl_mean": ("<=", 0.02),
+         "entropy_diff_mean": ("<=", 0.1)}
+_Q8 = {"max_abs": ("<=", None), "mean_abs": ("<=", 0.2), "top1": (">=", 0.85), "kl_mean": ("<=", 0.05),
+       "entropy_diff_mean": ("<=", 0.2)}
+_Q4 = {"max_abs": ("<=", None), "mean_abs": ("<=", 0.5), "top1": (">=", 0.7), "kl_mean": ("<=", 0.25),
+       "entropy_diff_mean": ("<=", 0.5)}
+
+DEFAULTS: dict[str, dict[str, dict[str, Bound]]] = {
+    # check -> precision class -> metric -> bound
+    "logits": {"float32": _F32, "half": _HALF, "q8": _Q8, "q4": _Q4},
+    "implementation": {
+        "float32": _F32,
+        "half": {"max_abs": ("<=", None), "mean_abs": ("<=", 0.05), "top1": (">=", 0.95),
+                 "kl_mean": ("<=", 0.01), "entropy_diff_mean": ("<=", 0.05)},
+    },
+    "drift": {
+        "q8": {"kl_mean": ("<=", 0.02), "top1": (">=", 0.95), "commit_match": (">=", 0.8),
+               "steps_ratio": ("<=", 1.25)},
+        "q4": {"kl_mean": ("<=", 0.1), "top1": (">=", 0.85), "commit_match": (">=", 0.5),
+               "steps_ratio": ("<=", 1.5)},
+    },
+    "commit_stream": {
+        "float32": {"identical_fraction": (">=", 1.0)},
+        "half": {"identical_fraction": (">=", None), "token_match": (">=", 0.5)},
+    },
+}
+
+
+def precision_class(check: str, label: str, compute_dtype: str, bits: int | None) -> str:
+    """Which column of DEFAULTS applies to a model."""
+    if check in ("implementation", "commit_stream"):
+        return "float32" if compute_dtype == "float32" else "half"
+    if bits is None:
+        return "float32" if compute_dtype == "float32" else "half"
+    return "q8" if bits >= 8 else "q4"
+
+
+def thresholds_for(check: str, label: str, compute_dtype: str, bits: int | None,
+                   overrides: dict | None = None) -> tuple[str, dict[str, Bound]]:
+    cls = precision_class(check, label, compute_dtype, bits)
+    table = copy.deepcopy(DEFAULTS[check].get(cls, {}))
+    for metric, value in ((overrides or {}).get(check) or {}).items():
+        op = table.get(metric, ("<=", None))[0]
+        if isinstance(value, (list, tuple)) and len(value) == 2:
+            op, value = value
+        table[metric] = (op, value)
+    return cls, table
+
+
+def load_overrides(path: str | Path | None) -> dict:
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read thresholds ({exc})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ConfigError(f"{path}: expected {{check: {{metric: value | [op, value] | null}}}}")
+    unknown = sorted(set(data) - set(DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown check(s) {unknown}; known: {sorted(DEFAULTS)}")
+    return data
+
+
+def evaluate(metrics: dict, bounds: dict[str, Bound]) -> tuple[bool, list[str]]:
+    """(passed, failures) of metrics against bounds; missing metrics fail."""
+    failures = []
+    for metric, (op, value) in bounds.items():
+        if value is None:
+            continue
+        got = metrics.get(metric)
+        if got is None:
+            failures.append(f"{metric} missing")
+            continue
+        ok = got <= value if op == "<=" else got >= value if op == ">=" else got == value
+        if not ok:
+            failures.append(f"{metric} {_num(got)} (want {op} {_num(value)})")
+    return not failures, failures
+
+
+def _num(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)

@@ -1,0 +1,144 @@
+"""What a converted MLX directory holds: its precision, its weights
+dequantized back to float32 (for implementation parity) and a fingerprint.
+
+Read straight from the safetensors on disk and the ``quantization`` block of
+config.json, independently of the runtime's loader, so that a loader bug
+cannot hide itself from the implementation-parity check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dlm.runtime.errors import ConfigError, WeightError
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a converted model stores and computes."""
+
+    label: str  # "float32" | "bfloat16" | "float16" | "q8" | "q4" | "mixed-q4" ...
+    compute_dtype: str  # dtype of its unquantized floating tensors
+    bits: int | None  # lowest bit width of a quantized module, None if unquantized
+    mode: str | None  # quantization mode ("affine", "mxfp4", ...)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def to_dict(self) -> dict:
+        return dict(label=self.label, compute_dtype=self.compute_dtype, bits=self.bits, mode=self.mode)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+def _load_all(model_dir: Path) -> dict:
+    import mlx.core as mx
+
+    weights = {}
+    for f in weight_files(model_dir):
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as exc:  # mlx raises plain RuntimeError/ValueError on bad files
+            raise WeightError(f"{f}: cannot read safetensors ({exc})") from None
+    return weights
+
+
+def _quant_params(config: dict, module: str) -> dict | None:
+    q = config.get("quantization") or config.get("quantization_config")
+    if not q:
+        return None
+    entry = q.get(module, True)
+    if entry is False:
+        return None
+    base = {"group_size": q.get("group_size", 64), "bits": q.get("bits", 4), "mode": q.get("mode", "affine")}
+    if isinstance(entry, dict):
+        base.update({k: v for k, v in entry.items() if k in ("group_size", "bits", "mode")})
+    return base
+
+
+def precision(model_dir: Path, config: dict | None = None) -> Precision:
+    model_dir = Path(model_dir)
+    config = config if config is not None else json.loads((model_dir / "config.json").read_text())
+    import mlx.core as mx
+
+    dtypes: dict[str, int] = {}
+    bits: set[int] = set()
+    modes: set[str] = set()
+    for f in weight_files(model_dir):
+        arrays = mx.load(str(f))
+        for name, arr in arrays.items():
+            base = name.rsplit(".", 1)[0]
+            if name.endswith(".scales"):
+                params = _quant_params(config, base) or {}
+                bits.add(int(params.get("bits", 4)))
+                modes.add(str(params.get("mode", "affine")))
+            elif base + ".scales" in arrays:
+                continue  # packed weight or biases of a quantized module
+            elif mx.issubdtype(arr.dtype, mx.floating):
+                key = str(arr.dtype).replace("mlx.core.", "")
+                dtypes[key] = dtypes.get(key, 0) + int(arr.size)
+    compute = max(dtypes, key=dtypes.get) if dtypes else "float32"
+    if not bits:
+        return Precision(compute, compute, None, None)
+    low = min(bits)
+    label = f"q{low}" if len(bits) == 1 else f"mixed-q{low}"
+    mode = ",".join(sorted(modes))
+    if mode != "affine":
+        label += f"-{mode}"
+    return Precision(label, compute, low, mode)
+
+
+def dequantized_weights(model_dir: Path, config: dict | None = None) -> dict[str, np.ndarray]:
+    """Every converted tensor under its MLX name, quantized ones dequantized,
+    all as float32 numpy (what the weights *mean*, whatever their storage)."""
+    import mlx.core as mx
+
+    model_dir = Path(model_dir)
+    config = config if config is not None else json.loads((model_dir / "config.json").read_text())
+    raw = _load_all(model_dir)
+    out: dict[str, np.ndarray] = {}
+    for name, arr in raw.items():
+        if name.endswith((".scales", ".biases")) and name.rsplit(".", 1)[0] + ".scales" in raw:
+            continue
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module is not None and module + ".scales" in raw:
+            params = _quant_params(config, module)
+            if params is None:
+                raise ConfigError(
+                    f"{model_dir / 'config.json'}: {module} is stored quantized but the quantization "
+                    "block says it is not"
+                )
+            try:
+                arr = mx.dequantize(
+                    arr, raw[module + ".scales"], raw.get(module + ".biases"),
+                    group_size=params["group_size"], bits=params["bits"], mode=params["mode"],
+                )
+            except Exception as exc:
+                raise WeightError(f"{name}: cannot dequantize with {params} ({exc})") from None
+        if mx.issubdtype(arr.dtype, mx.floating):
+            arr = arr.astype(mx.float32)
+        mx.eval(arr)
+        out[name] = np.array(arr)
+    return out
+
+
+def fingerprint(model_dir: Path) -> str:
+    """sha256 over config.json's quantization block and the weight files' bytes."""
+    h = hashlib.sha256()
+    for f in weight_files(model_dir):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()[:32]
