@@ -1,0 +1,521 @@
+"""Independent PyTorch reference for LLaDA2.0 MoE (``llada2_moe``).
+
+Written from ../shared/reference/llada2_moe.md (§3 forward pass, §4 hub
+``generate()``, §6.3 LLaDA2.1 editing); the hub modeling code is not used.
+Module and parameter names equal the hub checkpoint names, so a hub
+``state_dict`` loads with ``strict=True``.
+
+Dtype flow follows §3.8: RMSNorm statistics in float32 with the weight
+multiply in the model dtype, router in float32, expert combine accumulated in
+float32 with one cast, logits cast to float32.
+
+``generate`` reproduces the hub 2.0 algorithm exactly (including its
+temperature-0 sampling bug when ``hub_sampler=True``), with hooks the parity
+suite needs: a shared uniform stream (inverse-CDF sampling, so MLX and torch
+draw the same samples), a commit trace, the fixed greedy sampler, a linear
+threshold schedule and LLaDA2.1 draft-and-edit decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EOS_ID = 156892
+MASK_ID = 156895
+
+
+@dataclass
+class RefConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.5
+    rms_norm_eps: float = 1e-5
+    use_qk_norm: bool = True
+    use_qkv_bias: bool = False
+    use_bias: bool = True
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "RefConfig":
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads", 0))
+        if kv <= 0:
+            raise ValueError("config: num_key_value_heads must be a positive integer")
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            num_experts=int(cfg["num_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            num_shared_experts=int(cfg.get("num_shared_experts") or 0),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)),
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 0.5)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            use_qk_norm=bool(cfg.get("use_qk_norm", True)),
+            use_qkv_bias=bool(cfg.get("use_qkv_bias", False)),
+            use_bias=bool(cfg.get("use_bias", True)),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Forward pass (§3)
+# ---------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(h.dtype)  # cast back before the weight multiply
+
+
+def _rotate_half(u: torch.Tensor) -> torch.Tensor:
+    half = u.shape[-1] // 2
+    return torch.cat((-u[..., half:], u[..., :half]), dim=-1)
+
+
+def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, dtype) -> tuple:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    rot = rot * cos + _rotate_half(rot) * sin
+    return torch.cat((rot, rest), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: RefConfig):
+        super().__init__()
+        self.cfg = cfg
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.query_key_value = nn.Linear(cfg.hidden_size, (hq + 2 * hkv) * d, bias=cfg.use_qkv_bias)
+        self.dense = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.use_bias)
+        if cfg.use_qk_norm:
+            self.query_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+            self.key_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, a, cos, sin, mask):
+        cfg = self.cfg
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        B, L, _ = a.shape
+        qkv = self.query_key_value(a).view(B, L, hq + 2 * hkv, d)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split([hq, hkv, hkv], dim=2))
+        if cfg.use_qk_norm:
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        g = hq // hkv
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=1 / math.sqrt(d))
+        return self.dense(o.transpose(1, 2).reshape(B, L, hq * d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, m):
+        return self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+
+class Gate(nn.Module):
+    """Sigmoid router with expert_bias and group-limited top-k (§3.6)."""
+
+    def __init__(self, cfg: RefConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+
+    def forward(self, t: torch.Tensor):
+        cfg = self.cfg
+        T, E = t.shape[0], cfg.num_experts
+        s = torch.sigmoid(F.linear(t.float(), self.weight.float()))
+        b = s + self.expert_bias  # routing scores only; fp32 sum
+        per_group = E // cfg.n_group
+        gs = b.view(T, cfg.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+        chosen = gs.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(gs, dtype=torch.bool).scatter(1, chosen, True)
+        keep = keep.unsqueeze(-1).expand(T, cfg.n_group, per_group).reshape(T, E)
+        b = b.masked_fill(~keep, float("-inf"))
+        idx = b.topk(cfg.num_experts_per_tok, dim=-1, sorted=True).indices
+        w = s.gather(1, idx)
+        if cfg.num_experts_per_tok > 1:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * cfg.routed_scaling_factor
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: RefConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Gate(cfg)
+        self.experts = nn.ModuleList(
+            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
+        )
+        if cfg.num_shared_experts:
+            self.shared_experts = SwiGLU(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts
+            )
+
+    def forward(self, m):
+        shape = m.shape
+        t = m.reshape(-1, shape[-1])
+        idx, w = self.gate(t)
+        parts = torch.zeros(t.shape[0], idx.shape[1], t.shape[1], dtype=torch.float32)
+        for e in idx.unique().tolist():
+            rows, slots = (idx == e).nonzero(as_tuple=True)
+            out = self.experts[e](t[rows]).float()
+            parts[rows, slots] = out * w[rows, slots, None]
+        y = parts.sum(1).to(m.dtype).reshape(shape)  # fp32 accumulate in idx order, one cast
+        if self.cfg.num_shared_experts:
+            y = y + self.shared_experts(m)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: RefConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if index < cfg.first_k_dense_replace:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        else:
+            self.mlp = SparseMoe(cfg)
+
+    def forward(self, h, cos, sin, mask):
+        h = h + self.attention(self.input_layernorm(h), cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: RefConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LLaDA2Reference(nn.Module):
+    """``logits = model(input_ids, attention_mask=None | 4-D additive, position_ids=None)``."""
+
+    def __init__(self, cfg: RefConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def dtype(self):
+        return self.lm_head.weight.dtype
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        cfg = self.cfg
+        B, L = input_ids.shape
+        h = self.model.word_embeddings(input_ids)
+        dt = h.dtype
+        if position_ids is None:
+            position_ids = torch.arange(L)
+        position_ids = position_ids.reshape(-1)[:L]
+        rot = int(cfg.head_dim * cfg.partial_rotary_factor)
+        cos, sin = rope_cos_sin(position_ids, rot, cfg.rope_theta, dt)
+        mask = self._mask(attention_mask, L, dt)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, mask)
+        return self.lm_head(self.model.norm(h)).float()
+
+    @staticmethod
+    def _mask(attention_mask, L, dt):
+        """SDPA-path semantics of §3.4."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() == 4:
+            return attention_mask.to(dt)  # {0, -inf}: exact in any float dtype
+        if attention_mask.dim() == 2:
+            if bool((attention_mask != 0).all()):
+                return None
+            # The 4.x helper is causal-only: any padding makes the model causal.
+            keep = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
+            keep = keep & (attention_mask[:, None, None, :] != 0)
+            return torch.zeros(keep.shape, dtype=dt).masked_fill(~keep, float("-inf"))
+        raise ValueError(f"attention_mask must be 2-D or 4-D, got {attention_mask.dim()}-D")
+
+
+def block_causal_mask(length: int, block_length: int, dtype=torch.float32) -> torch.Tensor:
+    """[1, 1, L, L] additive: 0 where ⌊j/bl⌋ ≤ ⌊i/bl⌋, −inf elsewhere."""
+    blocks = torch.arange(length) // block_length
+    keep = blocks[None, :] <= blocks[:, None]
+    return torch.zeros(length, length, dtype=dtype).masked_fill(~keep, float("-inf"))[None, None]
+
+
+def load_reference(path: str | Path, dtype=torch.float32) -> LLaDA2Reference:
+    """Load a hub-layout checkpoint directory (safetensors only)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    model = LLaDA2Reference(RefConfig.from_dict(cfg))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.word_embeddings.weight"]
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
+
+
+# ---------------------------------------------------------------------------
+# Hub generate() (§4) and LLaDA2.1 editing (§6.3)
+# ---------------------------------------------------------------------------
+
+
+def transfer_quota(block_length: int, steps: int) -> list[int]:
+    """Tokens each step must commit at least: bl // steps, remainder first."""
+    if steps <= 0:
+        return []
+    base, extra = divmod(block_length, steps)
+    return [base + (1 if s < extra else 0) for s in range(steps)]
+
+
+def linear_threshold(threshold: float, minimum: Optional[float], step: int, steps: int) -> float:
+    if minimum is None:
+        return threshold
+    return threshold - (threshold - minimum) * step / max(1, steps - 1)
+
+
+def filter_logits(logits: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
+    """Hub top-k (ties kept) and top-p (exclusive cumulative mass > p dropped)."""
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+        drop_sorted = (cum - F.softmax(sorted_logits, dim=-1)) > top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of the first token whose cumulative probability exceeds u·total."""
+    cdf = torch.cumsum(probs, dim=-1)
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k=None,
+    top_p=None,
+    *,
+    hub_sampler: bool = True,
+    uniforms: Optional[Callable[[int], Iterable[float]]] = None,
+):
+    """(tokens, confidences) for [n, V] float32 logits.
+
+    hub_sampler=True is the 2.0 hub code: temperature 0 (or 1) leaves the logits
+    unchanged and still samples.  hub_sampler=False is the greedy fix: at
+    temperature 0, argmax with the unfiltered softmax probability.
+    ``uniforms(n)`` replaces torch.multinomial by inverse-CDF sampling on a
+    shared uniform stream.
+    """
+    logits = logits.float()
+    if not hub_sampler and temperature == 0:
+        probs = F.softmax(logits, dim=-1)
+        tok = logits.argmax(-1)
+        return tok, probs.gather(-1, tok[:, None])[:, 0]
+    if temperature > 0 and temperature != 1:
+        logits = logits / temperature
+    probs = F.softmax(filter_logits(logits, top_k, top_p), dim=-1)
+    if uniforms is None:
+        tok = torch.multinomial(probs, num_samples=1)[:, 0]
+    else:
+        u = torch.as_tensor(list(uniforms(probs.shape[0])), dtype=torch.float32)
+        tok = inverse_cdf(probs, u)
+    return tok, probs.gather(-1, tok[:, None])[:, 0]
+
+
+@torch.no_grad()
+def generate(
+    model: LLaDA2Reference,
+    input_ids: torch.Tensor,
+    temperature: float = 0.0,
+    block_length: int = 32,
+    steps: int = 32,
+    gen_length: int = 2048,
+    top_p=None,
+    top_k=None,
+    eos_early_stop: bool = False,
+    minimal_topk: int = 1,
+    threshold: float = 0.95,
+    eos_id: int | Iterable[int] = EOS_ID,
+    mask_id: int = MASK_ID,
+    *,
+    hub_sampler: bool = True,
+    uniforms: Optional[Callable[[int], Iterable[float]]] = None,
+    min_threshold: Optional[float] = None,
+    suppress_mask: bool = False,
+    editing_threshold: Optional[float] = None,
+    max_post_steps: int = 16,
+    trace: Optional[list] = None,
+) -> torch.Tensor:
+    """The hub 2.0 ``generate`` (§4.2), full recompute every step.
+
+    Extensions (all off by default, i.e. hub-exact): ``min_threshold`` decays
+    the threshold linearly over the steps; ``suppress_mask`` never predicts
+    mask_id; ``editing_threshold`` switches to LLaDA2.1 draft-and-edit per
+    block (§6.3, with the block-causal log-mask); ``eos_id`` may be a set of
+    ids. ``trace`` receives one ``(block, step, positions, tokens)`` tuple per
+    step (absolute positions, sorted).
+    """
+    eos_ids = {int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id}
+    x_in = input_ids.reshape(1, -1)
+    steps = min(steps, gen_length // minimal_topk)
+    P = x_in.shape[1]
+    nb = -(-(P + gen_length) // block_length)
+    T = nb * block_length
+    mask = block_causal_mask(T, block_length, model.dtype)
+    pos = torch.arange(T)
+    x = torch.full((1, T), mask_id, dtype=torch.long)
+    x[0, :P] = x_in[0]
+    quota = transfer_quota(block_length, steps)
+
+    def sample(logits):
+        if suppress_mask:
+            logits = logits.clone()
+            logits[:, mask_id] = float("-inf")
+        return sample_tokens(
+            logits, temperature, top_k, top_p, hub_sampler=hub_sampler, uniforms=uniforms
+        )
+
+    def has_eos(t):
+        return any(int(v) in eos_ids for v in t.tolist())
+
+    for b in range(P // block_length, nb):
+        start, end = b * block_length, (b + 1) * block_length
+        window = x[:, :end]
+        if editing_threshold is None:
+            for s in range(steps):
+                active = window[0, start:end] == mask_id
+                if not bool(active.any()):
+                    break
+                logits = model(window, mask[:, :, :end, :end], pos[:end])[0, start:end]
+                tok, p = sample(logits)
+                conf = torch.where(active, p, torch.tensor(float("-inf")))
+                thr = linear_threshold(threshold, min_threshold, s, steps)
+                high = conf > thr
+                if int(high.sum()) >= quota[s]:
+                    commit = high
+                else:
+                    n = min(quota[s], int(active.sum()))
+                    commit = torch.zeros_like(high)
+                    commit[torch.topk(conf, n).indices] = True
+                window[0, start:end] = torch.where(commit, tok, window[0, start:end])
+                if trace is not None:
+                    where = commit.nonzero()[:, 0]
+                    trace.append((b, s, (where + start).tolist(), tok[where].tolist()))
+                if eos_early_stop and has_eos(tok[commit]):
+                    e = next(i for i, v in enumerate(x[0].tolist()) if v in eos_ids)
+                    if not bool((x[0, P:e] == mask_id).any()):
+                        return x[0, : e + 1]  # hub quirk: includes the prompt
+        else:
+            _edit_block(model, window, mask[:, :, :end, :end], pos[:end], b, start, end, P,
+                        steps, quota, threshold, min_threshold, editing_threshold,
+                        max_post_steps, mask_id, sample, trace)
+            if eos_early_stop and has_eos(x[0, P:end]) and not bool((x[0, P:end] == mask_id).any()):
+                break
+        if has_eos(x[0, P:end]):
+            break
+
+    g = x[0, P : P + gen_length].tolist()
+    n = next((i for i, v in enumerate(g) if v in eos_ids), len(g) - 1)
+    return torch.tensor(g[: n + 1], dtype=torch.long)
+
+
+def _edit_block(model, window, mask, pos, b, start, end, P, steps, quota, threshold,
+                min_threshold, editing_threshold, max_post_steps, mask_id, sample, trace):
+    """LLaDA2.1 draft-and-edit for one block (§6.3).  The fallback commit is the
+    quota of the step (1 per step with steps == block_length, as the hub's
+    num_to_transfer=1); editable = non-prompt, non-mask positions of the block."""
+    post, s = 0, 0
+    editable_base = torch.arange(start, end) >= P
+    while True:
+        cur = window[0, start:end]
+        active = cur == mask_id
+        if not bool(active.any()):
+            post += 1
+        if post > max_post_steps:
+            return
+        logits = model(window, mask, pos)[0, start:end]
+        tok, p = sample(logits)
+        commit = torch.zeros_like(active)
+        if bool(active.any()):
+            conf = torch.where(active, p, torch.tensor(float("-inf")))
+            thr = linear_threshold(threshold, min_threshold, min(s, max(steps - 1, 0)), steps)
+            high = conf > thr
+            q = quota[s] if s < len(quota) else 1
+            q = max(q, 1)
+            if int(high.sum()) >= q:
+                commit = high
+            else:
+                commit[torch.topk(conf, min(q, int(active.sum()))).indices] = True
+        edit = editable_base & ~active & (tok != cur) & (p > editing_threshold)
+        write = commit | edit
+        window[0, start:end] = torch.where(write, tok, cur)
+        if trace is not None:
+            where = write.nonzero()[:, 0]
+            trace.append((b, s, (where + start).tolist(), tok[where].tolist()))
+        s += 1
+        if not bool(active.any()) and not bool(edit.any()):
+            return
