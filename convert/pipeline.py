@@ -1,0 +1,485 @@
+"""dlm-convert: a Hugging Face checkpoint in, a finished MLX model directory out.
+
+SOURCE -> local directory (download if needed) -> family (from the registry)
+-> the family's weight plan -> per-tensor jobs (cast, quantize) -> shards
+planned up front -> tensors streamed in row chunks -> config, tokenizer,
+card -> one rename.  Memory stays flat in model size: at any time only one
+chunk of one tensor (or one combined tensor, for plans that stack sources)
+is held.  The output is built in a hidden sibling directory and renamed into
+place only when complete, so an interrupted run never leaves something that
+looks like a finished model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from ..quantize.recipes import Decision, Recipe, bits_per_weight, config_block, decide, make_spec
+from ..runtime.errors import ConfigError, WeightError
+from ..runtime.registry import Family, family_for_config
+from ..runtime.weights import TensorPlan
+from .card import front_matter, recipe_table, render_card, source_license
+from .reader import CheckpointReader
+from .source import ResolvedSource, resolve_source, source_name
+from .writer import (
+    MAX_SHARD_BYTES,
+    OutputError,
+    OutTensor,
+    ShardWriter,
+    describe_os_error,
+    plan_shards,
+    shards_total_bytes,
+    write_text,
+)
+
+CHUNK_BYTES = 64 << 20  # float32-equivalent bytes per row chunk
+FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+DTYPE_LABELS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+SIDECAR_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+    "chat_template.jinja", "chat_template.json",
+)
+VISION_SIDECARS = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+@dataclass
+class ConvertOptions:
+    source: str
+    output: Optional[str] = None
+    quantize: bool = False
+    q_bits: Optional[int] = None
+    q_group_size: Optional[int] = None
+    q_mode: str = "affine"
+    recipe: str = "mixed"
+    dtype: Optional[str] = None  # None: keep each tensor's stored float dtype
+    revision: Optional[str] = None
+    text_only: bool = False
+    overwrite: bool = False
+    cache_dir: Optional[str] = None  # Hub cache; default HF_HUB_CACHE / the library default
+    max_shard_bytes: int = MAX_SHARD_BYTES
+    progress: bool = True
+
+
+@dataclass
+class ConvertResult:
+    output: Path
+    seconds: float
+    n_tensors: int
+    shards: list[str]
+    total_bytes: int
+    parameters: int
+    bits_per_weight: float
+    fallbacks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Job:
+    """One plan entry: its combined shape, dtypes, quantization and output tensors."""
+
+    plan: TensorPlan
+    shape: tuple[int, ...]
+    out_dtype: mx.Dtype
+    decision: Decision
+    outputs: list[OutTensor]
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1] if self.shape else 1
+
+
+def build_recipe(opts: ConvertOptions) -> Optional[Recipe]:
+    """None unless quantization was asked for (-q or any --q-* option)."""
+    wanted = opts.quantize or opts.q_bits is not None or opts.q_group_size is not None
+    if not wanted:
+        return None
+    return Recipe(opts.recipe, make_spec(opts.q_bits, opts.q_group_size, opts.q_mode))
+
+
+def default_output(opts: ConvertOptions, recipe: Optional[Recipe]) -> Path:
+    label = recipe.label if recipe else DTYPE_LABELS.get(opts.dtype or "", "mlx")
+    return Path.cwd() / f"{source_name(opts.source)}-{label}"
+
+
+def command_line(opts: ConvertOptions, recipe: Optional[Recipe]) -> str:
+    """The dlm-convert invocation that reproduces this conversion (minus -o)."""
+    parts = ["dlm-convert", opts.source]
+    if opts.revision:
+        parts += ["--revision", opts.revision]
+    if recipe:
+        low = recipe.low
+        parts += ["--q-bits", str(low.bits), "--q-group-size", str(low.group_size)]
+        parts += ["--q-mode", low.mode, "--recipe", recipe.name]
+    if opts.dtype:
+        parts += ["--dtype", opts.dtype]
+    if opts.text_only:
+        parts.append("--text-only")
+    return " ".join(parts)
+
+
+# -- output directory safety --------------------------------------------------
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise OutputError(f"{out} already exists; pass --overwrite to replace it")
+        if not out.is_dir():
+            raise OutputError(f"{out} exists and is not a directory; refusing to replace it")
+        if any(out.iterdir()) and not (out / "config.json").is_file():
+            raise OutputError(
+                f"refusing to replace {out}: it is not empty and does not look like a model "
+                "directory (no config.json)"
+            )
+    if out.parent.exists() and not out.parent.is_dir():
+        raise OutputError(f"cannot create {out}: {out.parent} is not a directory")
+
+
+def make_temp_dir(out: Path) -> Path:
+    tmp = out.parent / f".{out.name}.dlm-partial-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as exc:
+        raise describe_os_error(exc, str(out)) from exc
+    return tmp
+
+
+def finalize(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished directory into place (replacing ``out`` only with --overwrite)."""
+    try:
+        if out.exists():
+            if not overwrite:
+                raise OutputError(f"{out} appeared during conversion; not replacing it")
+            old = out.parent / f".{out.name}.dlm-old-{os.getpid()}"
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.rename(old, out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except OSError as exc:
+        raise describe_os_error(exc, str(out)) from exc
+
+
+# -- source checks ------------------------------------------------------------
+
+
+def load_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{directory} has no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return config
+
+
+def check_tokenizer(directory: Path) -> None:
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(
+            f"{directory} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
+        )
+
+
+# -- planning -----------------------------------------------------------------
+
+
+def plan_jobs(
+    plans: list[TensorPlan],
+    reader: CheckpointReader,
+    recipe: Optional[Recipe],
+    quant_class: Callable[[str], Optional[str]],
+    dtype: Optional[mx.Dtype],
+) -> list[Job]:
+    """Shapes, dtypes and output tensors of every plan entry, without reading any data.
+
+    ``combine`` is probed on lazy zeros: MLX builds the graph, so the output
+    shape is known while nothing is allocated.
+    """
+    jobs: list[Job] = []
+    seen: set[str] = set()
+    for plan in plans:
+        for src in plan.sources:
+            if src not in reader.tensors:
+                raise WeightError(f"checkpoint is missing tensor {src} (needed for {plan.name})")
+        if plan.combine is None:
+            if len(plan.sources) != 1:
+                raise WeightError(f"plan for {plan.name} reads {len(plan.sources)} tensors but has no combine")
+            info = reader.tensors[plan.sources[0]]
+            shape, src_dtype = info.shape, reader.mx_dtype(info.name)
+        else:
+            probe = plan.combine([mx.zeros(reader.tensors[s].shape, reader.mx_dtype(s)) for s in plan.sources])
+            shape, src_dtype = tuple(probe.shape), probe.dtype
+        if mx.issubdtype(src_dtype, mx.floating):
+            out_dtype = mx.float32 if plan.keep_float32 else (dtype or src_dtype)
+        else:
+            out_dtype = src_dtype
+        decision = decide(recipe, quant_class, plan.name, shape, out_dtype)
+        if decision.spec is not None:
+            row = decision.spec.quantize(mx.zeros((1, shape[-1]), out_dtype))
+            outputs = [
+                OutTensor(f"{decision.path}.{part}", shape[:-1] + (r.shape[-1],), r.dtype)
+                for part, r in zip(decision.spec.parts(), row)
+            ]
+        else:
+            outputs = [OutTensor(plan.name, shape, out_dtype)]
+        for t in outputs:
+            if t.name in seen:
+                raise WeightError(f"weight plan writes tensor {t.name} twice")
+            seen.add(t.name)
+        jobs.append(Job(plan, shape, out_dtype, decision, outputs))
+    return jobs
+
+
+# -- data ---------------------------------------------------------------------
+
+
+def run_job(job: Job, reader: CheckpointReader, writer: ShardWriter, advance: Callable[[int], None]) -> None:
+    """Read, cast, quantize and write one plan entry, ``CHUNK_BYTES`` of rows at a time."""
+    rows, cols = job.rows, job.cols
+    if job.plan.combine is None:
+        src = job.plan.sources[0]
+
+        def chunk(a: int, b: int) -> mx.array:
+            return reader.read_rows(src, a, b)
+    else:
+        full = job.plan.combine([reader.read(s) for s in job.plan.sources])
+        mx.eval(full)
+        flat = full.reshape(rows, cols) if len(job.shape) > 1 else full
+
+        def chunk(a: int, b: int) -> mx.array:
+            return flat[a:b] if len(job.shape) > 1 else flat
+
+    step = max(1, CHUNK_BYTES // max(1, cols * 4))
+    spec = job.decision.spec
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        x = chunk(a, b)
+        if x.dtype != job.out_dtype:
+            x = x.astype(job.out_dtype)
+        parts = spec.quantize(x) if spec is not None else (x,)
+        mx.eval(*parts)
+        for out, part in zip(job.outputs, parts):
+            writer.write_rows(out.name, a, part)
+            advance(part.nbytes)
+        del x, parts
+    mx.clear_cache()
+
+
+def write_weights(reader, jobs: list[Job], writer: ShardWriter, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    total = sum(t.nbytes for j in jobs for t in j.outputs)
+    last_job_of_shard = {j.outputs[-1].shard: i for i, j in enumerate(jobs)}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Converting", disable=not progress) as bar:
+        try:
+            for i, job in enumerate(jobs):
+                run_job(job, reader, writer, bar.update)
+                shard = job.outputs[-1].shard
+                if last_job_of_shard[shard] == i:
+                    writer.close_shard(shard)
+        finally:
+            writer.abort()
+    for index in range(len(writer.shards)):  # shards holding no job (cannot happen today)
+        if index not in last_job_of_shard:
+            writer.close_shard(index)
+
+
+# -- the pipeline -------------------------------------------------------------
+
+
+def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> ConvertResult:
+    start = time.perf_counter()
+    recipe = build_recipe(opts)
+    if opts.dtype is not None and opts.dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"unknown --dtype {opts.dtype!r}; choose from {', '.join(FLOAT_DTYPES)}")
+    dtype = FLOAT_DTYPES.get(opts.dtype or "")
+    out = Path(opts.output).expanduser().absolute() if opts.output else default_output(opts, recipe)
+    check_output(out, opts.overwrite)
+    tmp = make_temp_dir(out)
+    try:
+        src = resolve_source(opts.source, opts.revision, opts.cache_dir, opts.progress)
+        if src.path == out or out in src.path.parents:
+            raise OutputError(f"{out} would replace the source checkpoint {src.path}")
+        config = load_config(src.path)
+        family = family_for_config(config, str(src.path / "config.json"))
+        module = family.model()
+        args = module.ModelArgs.from_config(config, str(src.path / "config.json"))
+        check_tokenizer(src.path)
+        text_only = opts.text_only or not config.get("vision_config")
+        with CheckpointReader(src.path) as reader:
+            plans = module.plan_weights(args, reader.metadata(), opts.text_only)
+            jobs = plan_jobs(plans, reader, recipe, module.quant_class, dtype)
+            shards = plan_shards([j.outputs for j in jobs], opts.max_shard_bytes)
+            need, free = shards_total_bytes(shards), shutil.disk_usage(tmp).free
+            if need + (16 << 20) > free:
+                raise OutputError(
+                    f"not enough free space in {out.parent}: the converted model needs "
+                    f"{need / 1e9:.2f} GB, {free / 1e9:.2f} GB are free"
+                )
+            echo(f"Converting {src.display}{f' @ {src.commit}' if src.commit else ''} "
+                 f"({family.name}, {len(reader.tensors)} source tensors in {len(reader.shards)} "
+                 f"file(s)) -> {out}")
+            echo(_recipe_line(recipe, opts.dtype))
+            writer = ShardWriter(tmp, shards)
+            write_weights(reader, jobs, writer, opts.progress)
+        parameters = sum(math.prod(j.shape) for j in jobs)
+        writer.write_index(parameters)
+        stored = sum(s.data_bytes for s in shards)
+        bpw = bits_per_weight(stored, parameters)
+        decisions = [j.decision for j in jobs]
+        fallbacks = [d.path for d in decisions if d.fallback]
+
+        out_config = _output_config(module, config, opts, recipe, decisions, src, text_only)
+        write_text(tmp / "config.json", json.dumps(out_config, indent=4, sort_keys=True) + "\n")
+        _copy_sidecars(src.path, tmp, text_only)
+        card = _card_context(out, src, family, config, opts, recipe, jobs, shards, bpw, parameters,
+                             fallbacks, text_only)
+        write_text(tmp / "README.md", render_card(card, f"{family.name}.md"))
+        finalize(tmp, out, opts.overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - start
+    if fallbacks:
+        echo(f"Kept {len(fallbacks)} module(s) in float: input size not divisible by the group size "
+             f"({', '.join(fallbacks[:4])}{', ...' if len(fallbacks) > 4 else ''})")
+    if recipe:
+        echo(f"Quantized model with {bpw:.3f} bits per weight.")
+    echo(f"Wrote {len(shards)} shard(s), {stored / 1e9:.2f} GB, to {out} in {seconds:.1f} s")
+    return ConvertResult(out, seconds, sum(len(j.outputs) for j in jobs), [s.file for s in shards],
+                         stored, parameters, bpw, fallbacks)
+
+
+def _recipe_line(recipe: Optional[Recipe], dtype: Optional[str]) -> str:
+    d = f"dtype {dtype}" if dtype else "dtype as stored"
+    if recipe is None:
+        return f"No quantization ({d})"
+    low = recipe.low
+    text = f"Quantizing: {recipe.name} recipe, {low.bits}-bit {low.mode} group {low.group_size}"
+    if recipe.name == "mixed":
+        text += " (sensitive modules at 8-bit affine group 64)"
+    return f"{text}; {d}"
+
+
+def _output_config(module, config: dict, opts: ConvertOptions, recipe: Optional[Recipe],
+                   decisions: list[Decision], src: ResolvedSource, text_only: bool) -> dict:
+    out = module.output_config(config, opts.text_only)
+    out.pop("_name_or_path", None)
+    out.pop("quantization", None)
+    out.pop("quantization_config", None)
+    if opts.dtype:
+        for cfg in (out, out.get("text_config")):
+            for key in ("dtype", "torch_dtype"):
+                if isinstance(cfg, dict) and key in cfg:
+                    cfg[key] = opts.dtype
+    if recipe is not None:
+        block = config_block(recipe, decisions)
+        out["quantization"] = block
+        out["quantization_config"] = dict(block)
+    out["dlm"] = {
+        "source": src.repo_id or str(src.path),
+        "revision": src.revision,
+        "commit": src.commit,
+        "dlm_version": dlm_version(),
+        "recipe": recipe.as_dict() if recipe else None,
+        "dtype": opts.dtype,
+        "text_only": text_only,
+    }
+    return out
+
+
+def _copy_sidecars(src: Path, dst: Path, text_only: bool) -> None:
+    names = SIDECAR_FILES + (() if text_only else VISION_SIDECARS)
+    for name in names:
+        if (src / name).is_file():
+            try:
+                shutil.copyfile(src / name, dst / name)
+            except OSError as exc:
+                raise describe_os_error(exc, str(dst / name)) from exc
+
+
+def _card_context(out: Path, src: ResolvedSource, family: Family, config: dict, opts: ConvertOptions,
+                  recipe: Optional[Recipe], jobs: list[Job], shards, bpw: float, parameters: int,
+                  fallbacks: list[str], text_only: bool) -> dict:
+    stored = sum(s.data_bytes for s in shards)
+    float_names = sorted({str(t.dtype).split(".")[-1] for j in jobs for t in j.outputs
+                          if mx.issubdtype(t.dtype, mx.floating) and j.decision.spec is None})
+    dtype_label = opts.dtype or ", ".join(float_names) or "-"
+    has_vision = bool(config.get("vision_config"))
+    tags = ["mlx", "dlm", family.name, "diffusion-language-model"]
+    if recipe:
+        tags.append(recipe.label)
+    if src.repo_id:
+        source_md = f"[{src.repo_id}](https://huggingface.co/{src.repo_id})"
+    else:
+        source_md = f"the local checkpoint `{src.path}`"
+    params = {j.decision.name: math.prod(j.shape) for j in jobs}
+    if recipe is None:
+        recipe_text = ""
+    elif recipe.name == "mixed":
+        recipe_text = (f"the modules {family.name} marks as precision-sensitive stay at 8-bit affine "
+                       f"(group 64); the bulk at {recipe.low.bits}-bit {recipe.low.mode} "
+                       f"(group {recipe.low.group_size}); norms, scalars and the vision tower stay in float.")
+    else:
+        recipe_text = (f"every eligible linear and embedding at {recipe.low.bits}-bit {recipe.low.mode} "
+                       f"(group {recipe.low.group_size}); norms, scalars and the vision tower stay in float.")
+    return {
+        "front_matter": front_matter(
+            src.repo_id, tags, "image-text-to-text" if has_vision and not text_only else "text-generation",
+            source_license(src.path / "README.md")),
+        "title": out.name,
+        "source_md": source_md,
+        "repo_id": src.repo_id,
+        "revision": src.revision,
+        "commit": src.commit,
+        "model_type": config.get("model_type"),
+        "family": family.name,
+        "dlm_version": dlm_version(),
+        "command": command_line(opts, recipe),
+        "n_tensors": sum(len(j.outputs) for j in jobs),
+        "n_shards": len(shards),
+        "size_label": f"{stored / 1e9:.2f} GB",
+        "dtype_label": dtype_label,
+        "vision_label": ("kept, in float" if has_vision and not text_only
+                         else "dropped (--text-only)" if has_vision else "none in the source"),
+        "recipe": recipe.as_dict() if recipe else None,
+        "recipe_text": recipe_text,
+        "table": recipe_table([j.decision for j in jobs], params, dtype_label) if recipe else [],
+        "bits_per_weight": bpw,
+        "parameters": f"{parameters:,}",
+        "fallbacks": fallbacks,
+        "model_ref": out.name,
+    }
+
+
+def dlm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dlm")
+    except PackageNotFoundError:
+        return "unknown"
