@@ -479,3 +479,68 @@ def assemble_stream(prompt_ids: list[int], recorders: list[TraceRecorder], commi
             stream.finish_reason = "stop"
             break
     return stream
+
+
+# ---------------------------------------------------------------------------
+# MLX side (runtime model methods: make_cache / prefill / encode / decode)
+# ---------------------------------------------------------------------------
+
+
+def compute_dtype(loaded) -> str:
+    return str(loaded.model.dtype).replace("mlx.core.", "")
+
+
+def mlx_logits(loaded, case: LogitCase) -> np.ndarray:
+    """The same forward pass as ``reference_logits`` on the MLX model."""
+    import mlx.core as mx
+
+    model = loaded.model
+    V = _vocab(loaded.config)
+    cache = model.make_cache()
+    model.prefill(case.prompt_ids, cache)
+    offset = len(case.prompt_ids)
+    if "committed" in case.arrays:
+        committed = np.asarray(case.arrays["committed"], np.int32)
+        model.encode(mx.array(committed), cache, offset=offset)
+        offset += len(committed)
+    sc = dense_sc(case.arrays, V)
+    sc_mx = None if sc is None else mx.array(sc)[None].astype(model.dtype)
+    canvas = mx.array(np.asarray(case.arrays["canvas"], np.int32))
+    logits = model.decode(canvas, cache, sc_logits=sc_mx, offset=offset)
+    return np.array(logits[0].astype(mx.float32))
+
+
+def mlx_commit_stream(loaded, prompt_ids: list[int], settings: dict) -> CommitStream:
+    """The runtime's own generation loop (``dlm.runtime.api.stream_generate``)
+    with the debug canvas, full-length canvases and a per-step trace."""
+    import mlx.core as mx
+
+    from dlm.runtime import api
+
+    L = _canvas_length(loaded.config)
+    options = {
+        "max_tokens": int(settings["max_new_tokens"]),
+        "max_denoising_steps": int(settings["max_denoising_steps"]),
+        "debug_canvas": True,
+        "diffusion_full_canvas": True,
+        "diffusion_max_canvas_length": L,
+    }
+    recorders: list[TraceRecorder] = []
+
+    def on_step(index, logits, argmax):
+        if index == 0:
+            recorders.append(TraceRecorder(prompt_ids))
+        recorders[-1].step(np.array(logits[0].astype(mx.float32)))
+
+    committed: list[list[int]] = []
+    finish = None
+    for event in api.stream_generate(loaded, prompt_ids, options, on_step=on_step):
+        if event.done:
+            finish = event.finish_reason
+        else:
+            committed.append(list(event.token_ids))
+    # The runtime emits canvases cut before the first EOS; assemble_stream
+    # applies the same cut to the reference's canvases.
+    stream = assemble_stream(prompt_ids, recorders[: len(committed)], committed, settings["eos_token_id"])
+    stream.finish_reason = finish
+    return stream

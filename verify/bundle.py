@@ -1,0 +1,195 @@
+"""Recorded reference results: record once (with torch and the original
+weights), compare anywhere (numpy + MLX only).
+
+A bundle is a directory:
+
+* ``bundle.json``: format/version, family and model_type, the reference (source,
+  revision, dtype, library versions), the config and generation config it was
+  recorded from, the prompts (token ids), the logit cases (name, prompt index,
+  meta), the commit-stream settings and, per stream, its committed tokens,
+  steps per canvas and finish reason; optionally a ``matched`` section (the
+  reference run with a converted model's own dequantized weights, keyed by that
+  model's weight fingerprint).
+* ``arrays.safetensors``: case inputs (``case/<name>/<key>``), reference logits
+  (``logits/<name>``), per-step stream traces (``stream/<i>/<block>/<field>``),
+  and the same under ``matched/`` for a matched run. float32 / int32 / int64.
+
+Written to a temporary sibling directory and renamed at the end, so a failed
+record leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from dlm.runtime.errors import ConfigError, DlmError
+
+from .protocol import BlockTrace, CommitStream, LogitCase
+
+FORMAT = "dlm-verify-bundle"
+VERSION = 1
+
+
+@dataclass
+class ReferenceRun:
+    """Everything one reference produced: logits per case and commit streams."""
+
+    logits: dict[str, np.ndarray] = field(default_factory=dict)
+    streams: list[CommitStream] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # source, revision, dtype, versions, fingerprint
+
+
+@dataclass
+class Bundle:
+    family: str
+    model_type: str
+    config: dict
+    generation_config: dict
+    prompts: list[list[int]]
+    cases: list[LogitCase]
+    settings: dict  # commit-stream settings
+    stream_prompts: list[int]  # indices into prompts that have commit streams
+    original: ReferenceRun
+    matched: Optional[ReferenceRun] = None
+    path: Optional[Path] = None
+
+
+def _stream_to_json(stream: CommitStream) -> dict:
+    return {
+        "finish_reason": stream.finish_reason,
+        "blocks": [{"tokens": b.tokens, "steps": b.steps} for b in stream.blocks],
+    }
+
+
+def _put_run(arrays: dict, prefix: str, run: ReferenceRun) -> dict:
+    for name, value in run.logits.items():
+        arrays[f"{prefix}logits/{name}"] = np.ascontiguousarray(value, np.float32)
+    for i, stream in enumerate(run.streams):
+        for b, block in enumerate(stream.blocks):
+            base = f"{prefix}stream/{i}/{b}/"
+            arrays[base + "step_argmax"] = np.ascontiguousarray(block.step_argmax, np.int32)
+            arrays[base + "topk_ids"] = np.ascontiguousarray(block.topk_ids, np.int32)
+            arrays[base + "topk_logits"] = np.ascontiguousarray(block.topk_logits, np.float32)
+    return {"meta": run.meta, "streams": [_stream_to_json(s) for s in run.streams],
+            "cases": sorted(run.logits)}
+
+
+def _get_run(arrays: dict, prefix: str, data: dict, prompts: list[list[int]],
+             stream_prompts: list[int]) -> ReferenceRun:
+    run = ReferenceRun(meta=data.get("meta", {}))
+    for name in data.get("cases", []):
+        key = f"{prefix}logits/{name}"
+        if key not in arrays:
+            raise ConfigError(f"bundle is missing array {key}")
+        run.logits[name] = arrays[key]
+    for i, s in enumerate(data.get("streams", [])):
+        blocks = []
+        for b, blk in enumerate(s["blocks"]):
+            base = f"{prefix}stream/{i}/{b}/"
+            try:
+                blocks.append(BlockTrace(
+                    tokens=list(blk["tokens"]), steps=int(blk["steps"]),
+                    step_argmax=arrays[base + "step_argmax"], topk_ids=arrays[base + "topk_ids"],
+                    topk_logits=arrays[base + "topk_logits"],
+                ))
+            except KeyError as exc:
+                raise ConfigError(f"bundle is missing array {exc.args[0]}") from None
+        run.streams.append(CommitStream(prompts[stream_prompts[i]], blocks, s.get("finish_reason")))
+    return run
+
+
+def save(bundle: Bundle, out: Path) -> Path:
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not (out / "bundle.json").exists():
+        raise DlmError(f"{out}: exists and is not a dlm-verify bundle; choose another -o")
+    arrays: dict[str, np.ndarray] = {}
+    cases = []
+    index = {tuple(p): i for i, p in enumerate(bundle.prompts)}
+    for case in bundle.cases:
+        for key, value in case.arrays.items():
+            arrays[f"case/{case.name}/{key}"] = np.ascontiguousarray(value)
+        cases.append({"name": case.name, "prompt": index[tuple(case.prompt_ids)], "meta": case.meta,
+                      "arrays": sorted(case.arrays)})
+    doc = {
+        "format": FORMAT, "version": VERSION, "family": bundle.family, "model_type": bundle.model_type,
+        "config": bundle.config, "generation_config": bundle.generation_config,
+        "prompts": bundle.prompts, "cases": cases, "settings": bundle.settings,
+        "stream_prompts": bundle.stream_prompts,
+        "original": _put_run(arrays, "", bundle.original),
+    }
+    if bundle.matched is not None:
+        doc["matched"] = _put_run(arrays, "matched/", bundle.matched)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(arrays, str(tmp / "arrays.safetensors"))
+        (tmp / "bundle.json").write_text(json.dumps(doc, indent=1, default=_json_default))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    bundle.path = out
+    return out
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def load(path: Path) -> Bundle:
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    doc_path = path / "bundle.json"
+    if not doc_path.exists():
+        raise ConfigError(f"{path}: not a dlm-verify bundle (no bundle.json)")
+    try:
+        doc = json.loads(doc_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{doc_path}: invalid JSON ({exc})") from None
+    if doc.get("format") != FORMAT:
+        raise ConfigError(f"{doc_path}: not a dlm-verify bundle")
+    if doc.get("version") != VERSION:
+        raise ConfigError(f"{doc_path}: bundle version {doc.get('version')} (this dlm reads {VERSION})")
+    try:
+        arrays = load_file(str(path / "arrays.safetensors"))
+    except Exception as exc:
+        raise ConfigError(f"{path / 'arrays.safetensors'}: cannot read ({exc})") from None
+    prompts = [list(map(int, p)) for p in doc["prompts"]]
+    cases = []
+    for c in doc["cases"]:
+        arr = {}
+        for key in c.get("arrays", []):
+            full = f"case/{c['name']}/{key}"
+            if full not in arrays:
+                raise ConfigError(f"bundle is missing array {full}")
+            arr[key] = arrays[full]
+        cases.append(LogitCase(c["name"], prompts[c["prompt"]], arr, c.get("meta", {})))
+    stream_prompts = list(doc.get("stream_prompts", []))
+    original = _get_run(arrays, "", doc["original"], prompts, stream_prompts)
+    matched = None
+    if "matched" in doc:
+        matched = _get_run(arrays, "matched/", doc["matched"], prompts, stream_prompts)
+    return Bundle(
+        family=doc["family"], model_type=doc["model_type"], config=doc["config"],
+        generation_config=doc.get("generation_config", {}), prompts=prompts, cases=cases,
+        settings=doc["settings"], stream_prompts=stream_prompts, original=original, matched=matched,
+        path=path,
+    )
