@@ -1,4 +1,4 @@
-"""Independent PyTorch reference for LLaDA2.0 MoE (``llada2_moe``).
+"""Independent PyTorch reference model and generate() for LLaDA2.0 MoE (``llada2_moe``).
 
 Written from ../shared/reference/llada2_moe.md (§3 forward pass, §4 hub
 ``generate()``, §6.3 LLaDA2.1 editing); the hub modeling code is not used.
@@ -409,6 +409,7 @@ def generate(
     editing_threshold: Optional[float] = None,
     max_post_steps: int = 16,
     trace: Optional[list] = None,
+    on_step: Optional[Callable] = None,
 ) -> torch.Tensor:
     """The hub 2.0 ``generate`` (§4.2), full recompute every step.
 
@@ -417,7 +418,8 @@ def generate(
     mask_id; ``editing_threshold`` switches to LLaDA2.1 draft-and-edit per
     block (§6.3, with the block-causal log-mask); ``eos_id`` may be a set of
     ids. ``trace`` receives one ``(block, step, positions, tokens)`` tuple per
-    step (absolute positions, sorted).
+    step (absolute positions, sorted); ``on_step(block, step, logits)`` sees
+    every step's raw float32 logits of the block [bl, V].
     """
     eos_ids = {int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id}
     x_in = input_ids.reshape(1, -1)
@@ -451,6 +453,8 @@ def generate(
                 if not bool(active.any()):
                     break
                 logits = model(window, mask[:, :, :end, :end], pos[:end])[0, start:end]
+                if on_step is not None:
+                    on_step(b, s, logits)
                 tok, p = sample(logits)
                 conf = torch.where(active, p, torch.tensor(float("-inf")))
                 thr = linear_threshold(threshold, min_threshold, s, steps)
@@ -472,7 +476,7 @@ def generate(
         else:
             _edit_block(model, window, mask[:, :, :end, :end], pos[:end], b, start, end, P,
                         steps, quota, threshold, min_threshold, editing_threshold,
-                        max_post_steps, mask_id, sample, trace)
+                        max_post_steps, mask_id, sample, trace, on_step)
             if eos_early_stop and has_eos(x[0, P:end]) and not bool((x[0, P:end] == mask_id).any()):
                 break
         if has_eos(x[0, P:end]):
@@ -484,7 +488,7 @@ def generate(
 
 
 def _edit_block(model, window, mask, pos, b, start, end, P, steps, quota, threshold,
-                min_threshold, editing_threshold, max_post_steps, mask_id, sample, trace):
+                min_threshold, editing_threshold, max_post_steps, mask_id, sample, trace, on_step):
     """LLaDA2.1 draft-and-edit for one block (§6.3).  The fallback commit is the
     quota of the step (1 per step with steps == block_length, as the hub's
     num_to_transfer=1); editable = non-prompt, non-mask positions of the block."""
@@ -498,6 +502,8 @@ def _edit_block(model, window, mask, pos, b, start, end, P, steps, quota, thresh
         if post > max_post_steps:
             return
         logits = model(window, mask, pos)[0, start:end]
+        if on_step is not None:
+            on_step(b, s, logits)
         tok, p = sample(logits)
         commit = torch.zeros_like(active)
         if bool(active.any()):
