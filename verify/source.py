@@ -19,7 +19,8 @@ _PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.t
 
 def recorded_source(config: dict) -> tuple[str | None, str | None]:
     meta = config.get("dlm") or {}
-    return meta.get("source"), meta.get("revision")
+    # The snapshot commit pins the exact weights; the asked-for revision is a fallback.
+    return meta.get("source"), meta.get("commit") or meta.get("revision")
 
 
 def _offline() -> bool:

@@ -1,0 +1,178 @@
+"""dlm-verify: prove a converted model faithful to its PyTorch reference.
+
+    dlm-verify --parity MLX_DIR [--reference HF_REPO_OR_DIR] [--prompts FILE]
+               [--report report.json] [--update-card] [--bundle BUNDLE]
+    dlm-verify record --reference HF_REPO_OR_DIR -o BUNDLE [--mlx MLX_DIR]
+
+Exit status: 0 all checks passed, 1 a check failed, 2 bad input or the
+reference could not be loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from dlm.runtime.errors import DlmError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Group(click.Group):
+    """A group whose default invocation is the parity run: ``dlm-verify
+    --parity DIR`` (or ``dlm-verify DIR``), with ``record`` as a subcommand."""
+
+    def parse_args(self, ctx, args):
+        if args and not args[0].startswith("-") and args[0] not in self.commands:
+            args = ["--parity"] + list(args)
+        return super().parse_args(ctx, args)
+
+
+def _common(f):
+    options = [
+        click.option("--revision", help="Hub revision of the reference (branch, tag or commit)."),
+        click.option("--reference-dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+                     help="dtype the PyTorch reference computes in (on CPU)."),
+        click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False),
+                     help="Extra prompts: one per line, plain text or JSON {prompt|messages|ids}."),
+        click.option("--no-builtin-prompts", is_flag=True, help="Use only --prompts."),
+        click.option("--canvases", type=click.IntRange(1), default=2, show_default=True,
+                     help="Canvases per commit stream."),
+        click.option("--steps", type=click.IntRange(1), default=None,
+                     help="Max denoising steps per canvas in commit streams [default: generation_config]."),
+        click.option("--stream-prompts", type=click.IntRange(0), default=2, show_default=True,
+                     help="How many prompts get a commit stream."),
+        click.option("--trust-remote-code", is_flag=True,
+                     help="Allow checkpoint code (never run otherwise)."),
+        click.option("--torch-threads", type=click.IntRange(1), default=None,
+                     help="torch CPU threads (1 is often fastest for small models)."),
+        click.option("-q", "--quiet", is_flag=True, help="No progress bars."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _setup(torch_threads, quiet) -> bool:
+    if torch_threads:
+        try:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        except ImportError:
+            pass
+    return not quiet and sys.stderr.isatty()
+
+
+def _fail(exc: Exception, code: int = 2):
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=_Group, invoke_without_command=True,
+             context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--parity", "mlx_dir", type=click.Path(file_okay=False),
+              help="Converted MLX model directory to verify.")
+@click.option("--reference", help="Original checkpoint: Hub repo id or directory "
+              "[default: the source recorded in MLX_DIR/config.json].")
+@click.option("--bundle", type=click.Path(file_okay=False),
+              help="Compare with a recorded bundle instead of a live reference.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the results as JSON.")
+@click.option("--update-card", is_flag=True, help="Write the results into MLX_DIR/README.md.")
+@click.option("--thresholds", type=click.Path(dir_okay=False),
+              help='JSON overrides {check: {metric: value | [op, value] | null}} (null: informational).')
+@click.option("--no-implementation", is_flag=True,
+              help="Skip the implementation-parity check (reference with the MLX weights).")
+@_common
+@click.pass_context
+def main(ctx, mlx_dir, reference, bundle, report_path, update_card, thresholds, no_implementation,
+         revision, reference_dtype, prompts_file, no_builtin_prompts, canvases, steps, stream_prompts,
+         trust_remote_code, torch_threads, quiet):
+    """Check a converted MLX model against its PyTorch reference (logits,
+    implementation parity, quantization drift, debug-canvas commit streams)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if not mlx_dir:
+        click.echo(ctx.get_help())
+        ctx.exit(2)
+    from .suite import Options, run_parity
+    from .thresholds import load_overrides
+
+    progress = _setup(torch_threads, quiet)
+    try:
+        if bundle and reference:
+            raise DlmError("--bundle and --reference are exclusive (the bundle names its reference)")
+        options = Options(
+            reference=reference, revision=revision, reference_dtype=reference_dtype,
+            prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, bundle=bundle,
+            canvases=canvases, steps=steps, stream_prompts=stream_prompts,
+            implementation=not no_implementation, trust_remote_code=trust_remote_code,
+            thresholds=load_overrides(thresholds), progress=progress,
+        )
+        report = run_parity(Path(mlx_dir), options)
+        if report_path:
+            report.write_json(report_path)
+        if update_card:
+            from dlm.convert.card import update_card_section
+
+            update_card_section(Path(mlx_dir) / "README.md", report.card_markdown())
+    except DlmError as exc:
+        _fail(exc)
+    click.echo(report.table())
+    if report_path:
+        click.echo(f"report: {report_path}")
+    if update_card:
+        click.echo(f"model card: {Path(mlx_dir) / 'README.md'}")
+    sys.exit(0 if report.passed else 1)
+
+
+@main.command()
+@click.option("--reference", help="Original checkpoint: Hub repo id or directory "
+              "[default: the source recorded in --mlx's config.json].")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="Bundle directory.")
+@click.option("--mlx", "mlx_dir", type=click.Path(exists=True, file_okay=False),
+              help="Also record the reference with this converted model's own weights "
+              "(implementation parity without torch later).")
+@_common
+def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, no_builtin_prompts,
+           canvases, steps, stream_prompts, trust_remote_code, torch_threads, quiet):
+    """Record reference logits and commit streams into a bundle (needs torch
+    and the original weights; the comparison later needs neither)."""
+    import json
+
+    from . import bundle as B
+    from .source import recorded_source
+    from .suite import Options
+    from .suite import record as run_record
+
+    progress = _setup(torch_threads, quiet)
+    try:
+        if not reference and mlx_dir:
+            config = json.loads((Path(mlx_dir) / "config.json").read_text())
+            reference, recorded_rev = recorded_source(config)
+            revision = revision or recorded_rev
+        if not reference:
+            raise DlmError("pass --reference HF_REPO_OR_DIR (or --mlx DIR whose config.json records it)")
+        options = Options(
+            reference=reference, revision=revision, reference_dtype=reference_dtype,
+            prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, canvases=canvases,
+            steps=steps, stream_prompts=stream_prompts, trust_remote_code=trust_remote_code,
+            progress=progress,
+        )
+        data = run_record(reference, options, Path(mlx_dir) if mlx_dir else None)
+        out = B.save(data, Path(output))
+    except DlmError as exc:
+        _fail(exc)
+    except ImportError as exc:
+        _fail(f"recording needs torch and transformers ({exc})")
+    click.echo(
+        f"recorded {len(data.cases)} logit cases and {len(data.original.streams)} commit streams "
+        f"({len(data.prompts)} prompts) from {reference} into {out}"
+        + (" (with the MLX weights' reference)" if data.matched else "")
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

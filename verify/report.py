@@ -1,0 +1,196 @@
+"""Parity results as JSON, a terminal table and a model-card section."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checks import CheckResult
+
+# Metrics shown per check (in order); thresholded metrics are always shown.
+SHOWN = {
+    "logits": ("max_abs", "mean_abs", "top1", "kl_mean", "entropy_diff_max"),
+    "implementation": ("max_abs", "mean_abs", "top1", "kl_mean", "entropy_diff_max"),
+    "drift": ("kl_mean", "top1", "commit_match", "reference_steps_per_canvas", "mlx_steps_per_canvas",
+              "steps_ratio"),
+    "commit_stream": ("identical_fraction", "token_match", "tokens", "vs_original_token_match"),
+}
+LABELS = {
+    "max_abs": "max|Δ|", "mean_abs": "mean|Δ|", "top1": "top-1", "kl_mean": "KL", "kl_max": "KLmax",
+    "entropy_diff_max": "max|ΔH|", "entropy_diff_mean": "mean|ΔH|", "commit_match": "commits",
+    "reference_steps_per_canvas": "steps ref", "mlx_steps_per_canvas": "steps mlx",
+    "steps_ratio": "steps×", "identical_fraction": "identical", "token_match": "tokens",
+    "tokens": "n", "vs_original_token_match": "vs orig",
+}
+
+
+def fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return str(x)
+        if x == 0:
+            return "0"
+        if abs(x) < 1e-3 or abs(x) >= 1e4:
+            return f"{x:.1e}"
+        return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+    return str(x)
+
+
+@dataclass
+class Report:
+    model: str
+    family: str
+    precision: dict
+    reference: dict
+    checks: list[CheckResult]
+    settings: dict = field(default_factory=dict)
+    prompts: int = 0
+    cases: int = 0
+    timings: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def check(self, name: str) -> CheckResult:
+        return next(c for c in self.checks if c.name == name)
+
+    def to_dict(self) -> dict:
+        return dict(
+            passed=self.passed, model=self.model, family=self.family, precision=self.precision,
+            reference=self.reference, prompts=self.prompts, cases=self.cases, settings=self.settings,
+            checks={c.name: c.to_dict() for c in self.checks}, timings=self.timings, notes=self.notes,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        )
+
+    def write_json(self, path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=2, default=_default)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    # -- terminal -----------------------------------------------------------
+
+    def _numbers(self, c: CheckResult) -> str:
+        keys = list(SHOWN.get(c.name, ()))
+        keys += [k for k in c.thresholds if k not in keys and c.thresholds[k][1] is not None]
+        parts = [f"{LABELS.get(k, k)} {fmt(c.metrics.get(k))}" for k in keys if k in c.metrics]
+        return "  ".join(parts)
+
+    def _bounds(self, c: CheckResult) -> str:
+        parts = [f"{LABELS.get(k, k)}{'≤' if op == '<=' else '≥'}{fmt(v)}"
+                 for k, (op, v) in c.thresholds.items() if v is not None]
+        return " ".join(parts) or "-"
+
+    def table(self) -> str:
+        prec = self.precision
+        ref = self.reference
+        src = ref.get("source") or ref.get("bundle") or "?"
+        lines = [
+            f"dlm-verify --parity {self.model}",
+            f"  family {self.family}, precision {prec.get('label')} (computes in {prec.get('compute_dtype')}); "
+            f"reference {src} ({ref.get('dtype', '?')})"
+            + (f", bundle {ref['bundle']}" if ref.get("bundle") and ref.get("source") else ""),
+            f"  {self.prompts} prompts, {self.cases} logit cases, commit streams: "
+            f"{self.settings.get('stream_prompts', 0)} prompts × "
+            f"{self.settings.get('max_new_tokens', '?')} tokens, ≤{self.settings.get('max_denoising_steps', '?')} "
+            f"steps per canvas",
+            "",
+        ]
+        rows = [("check", "verdict", "numbers", "threshold")]
+        for c in self.checks:
+            verdict = {"pass": "PASS", "fail": "FAIL", "skip": "skip"}[c.status]
+            numbers = self._numbers(c) if c.status != "skip" else c.note
+            rows.append((f"{c.name}: {c.title}", verdict, numbers, self._bounds(c) if c.status != "skip" else ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for r in rows:
+            lines.append(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip())
+        for c in self.checks:
+            for failure in c.failures:
+                lines.append(f"  ✗ {c.name}: {failure}")
+            if c.status == "fail" and c.name in ("logits", "implementation"):
+                worst = c.details.get("worst_case")
+                if worst:
+                    m = c.details["cases"][worst]
+                    lines.append(f"    worst case {worst}: max|Δ| {fmt(m['max_abs'])}, top-1 {fmt(m['top1'])}")
+            div = c.details.get("first_divergence") if c.name == "commit_stream" else None
+            if div:
+                lines.append(f"  first divergence: {div}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        n = len(self.checks)
+        n_pass = sum(c.status == "pass" for c in self.checks)
+        n_skip = sum(c.status == "skip" for c in self.checks)
+        lines.append("")
+        lines.append(
+            f"RESULT: {'PASS' if self.passed else 'FAIL'} ({n_pass} passed, {n - n_pass - n_skip} failed, "
+            f"{n_skip} skipped)"
+        )
+        return "\n".join(lines)
+
+    # -- model card ---------------------------------------------------------
+
+    def card_markdown(self) -> str:
+        ref = self.reference
+        versions = ref.get("versions") or {}
+        vtext = ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+        src = ref.get("source") or "?"
+        date = _dt.date.today().isoformat()
+        lines = [
+            f"**dlm-verify {'passed' if self.passed else 'FAILED'}** on {date}: this "
+            f"{self.precision.get('label')} model (computing in {self.precision.get('compute_dtype')}) against "
+            f"the PyTorch reference `{src}` in {ref.get('dtype', '?')}" + (f" ({vtext})" if vtext else "") + ".",
+            "",
+            f"{self.prompts} prompts, {self.cases} fixed-canvas logit cases; commit streams use the "
+            f"deterministic debug canvas ({self.settings.get('stream_prompts', 0)} prompts, "
+            f"{self.settings.get('max_new_tokens', '?')} tokens, ≤{self.settings.get('max_denoising_steps', '?')} "
+            "steps per canvas).",
+            "",
+            "| check | verdict | measured | threshold |",
+            "|---|---|---|---|",
+        ]
+        for c in self.checks:
+            verdict = {"pass": "pass", "fail": "**FAIL**", "skip": "skipped"}[c.status]
+            measured = self._numbers(c) if c.status != "skip" else c.note
+            bounds = self._bounds(c) if c.status != "skip" else ""
+            lines.append(f"| {c.title} | {verdict} | {measured} | {bounds} |")
+        lines.append("")
+        lines.append(
+            f"Reproduce: `dlm-verify --parity <this model> --reference {src} --reference-dtype "
+            f"{ref.get('dtype', 'float32')}`."
+        )
+        return "\n".join(lines)
+
+
+def _default(x):
+    try:
+        import numpy as np
+
+        if isinstance(x, np.integer):
+            return int(x)
+        if isinstance(x, np.floating):
+            return float(x)
+        if isinstance(x, np.ndarray):
+            return x.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")

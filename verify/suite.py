@@ -1,0 +1,262 @@
+"""The parity suite: run the references and the MLX model, then the checks.
+
+``record(...)`` runs the PyTorch reference (original weights, optionally also
+a converted model's own weights) and returns a Bundle; ``run_parity(...)``
+compares a converted MLX directory with a live reference or a recorded
+bundle and returns a Report. Both are family-agnostic: the family's verify
+adapter (``dlm.verify.protocol``) does the model-specific work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from dlm.runtime.errors import ConfigError, DlmError
+from dlm.runtime.registry import family_for_config
+
+from . import bundle as B
+from . import checks as C
+from . import weights as W
+from .protocol import check_adapter
+from .report import Report
+from .source import recorded_source, resolve_reference
+
+
+@dataclass
+class Options:
+    reference: Optional[str] = None  # repo id or directory; default: config.json's dlm.source
+    revision: Optional[str] = None
+    reference_dtype: str = "float32"
+    prompts_file: Optional[str] = None
+    builtin_prompts: bool = True
+    long_prompt: bool = True  # a built-in prompt longer than the sliding window
+    bundle: Optional[str] = None
+    canvases: int = 2  # canvases per commit stream
+    steps: Optional[int] = None  # max denoising steps per canvas (None: generation_config)
+    stream_prompts: Optional[int] = 2  # prompts that get commit streams (None: all)
+    implementation: bool = True  # run check 2 (same weights)
+    trust_remote_code: bool = False
+    thresholds: dict = field(default_factory=dict)
+    progress: bool = True
+
+
+def _tqdm(iterable, desc: str, enabled: bool, total: Optional[int] = None):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
+
+
+def _adapter(config: dict, where: str):
+    family = family_for_config(config, where)
+    try:
+        adapter = family.reference()
+    except ImportError as exc:
+        raise DlmError(f"dlm-verify has no reference for the {family.name} family ({exc})") from None
+    check_adapter(adapter)
+    return family, adapter
+
+
+def _versions() -> dict:
+    out = {}
+    for name in ("torch", "transformers", "mlx"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name)
+        except Exception:
+            pass
+    return out
+
+
+def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress, label) -> B.ReferenceRun:
+    run = B.ReferenceRun()
+    for case in _tqdm(cases, f"{label}: logits", progress):
+        run.logits[case.name] = adapter.reference_logits(ref, case, run.logits)
+    for i in _tqdm(stream_idx, f"{label}: commit streams", progress):
+        run.streams.append(adapter.reference_commit_stream(ref, prompts[i], settings))
+    return run
+
+
+def _stream_indices(n_prompts: int, stream_prompts: Optional[int]) -> list[int]:
+    k = n_prompts if stream_prompts is None else max(0, min(stream_prompts, n_prompts))
+    return list(range(k))
+
+
+def record(reference: str, options: Options, mlx_dir: Optional[Path] = None) -> B.Bundle:
+    """Run the PyTorch reference on the suite's cases and streams."""
+    import torch  # noqa: F401  (clear ImportError before any work)
+
+    from .prompts import suite_prompts
+
+    ref_path = resolve_reference(reference, options.revision)
+    config = _read_json(ref_path / "config.json")
+    family, adapter = _adapter(config, str(ref_path / "config.json"))
+    ref = adapter.load_reference(ref_path, dtype=options.reference_dtype,
+                                 trust_remote_code=options.trust_remote_code)
+    generation_config = getattr(ref, "generation_config", None) or {}
+    window = _sliding_window(config)
+    prompts = suite_prompts(ref_path, options.prompts_file, builtin=options.builtin_prompts,
+                            long_prompt_tokens=window if options.long_prompt else None)
+    cases = adapter.logit_cases(config, prompts, generation_config)
+    settings = adapter.stream_settings(config, generation_config, blocks=options.canvases, steps=options.steps)
+    stream_idx = _stream_indices(len(prompts), options.stream_prompts)
+    original = _run_reference(adapter, ref, cases, prompts, stream_idx, settings, options.progress, "reference")
+    original.meta = dict(source=reference, revision=options.revision, path=str(ref_path),
+                         dtype=options.reference_dtype, versions=_versions())
+    del ref
+    bundle = B.Bundle(
+        family=family.name, model_type=str(config.get("model_type")), config=config,
+        generation_config=generation_config, prompts=prompts, cases=cases, settings=settings,
+        stream_prompts=stream_idx, original=original,
+    )
+    if mlx_dir is not None:
+        bundle.matched = _matched_run(Path(mlx_dir), bundle, adapter, None, options)
+    return bundle
+
+
+def _sliding_window(config: dict) -> Optional[int]:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("sliding_window")
+    return int(value) if value else None
+
+
+def _matched_run(mlx_dir: Path, bundle: B.Bundle, adapter, compute_dtype: Optional[str],
+                 options: Options) -> B.ReferenceRun:
+    """The reference with the converted model's own (dequantized) weights,
+    computing in the converted model's dtype (implementation parity)."""
+    config = _read_json(mlx_dir / "config.json")
+    prec = W.precision(mlx_dir, config)
+    dtype = compute_dtype or prec.compute_dtype
+    weights = adapter.hf_weights_from_mlx(W.dequantized_weights(mlx_dir, config), config)
+    ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
+                                 trust_remote_code=options.trust_remote_code)
+    del weights
+    run = _run_reference(adapter, ref, bundle.cases, bundle.prompts, bundle.stream_prompts,
+                         bundle.settings, options.progress, "reference (MLX weights)")
+    run.meta = dict(dtype=dtype, fingerprint=W.fingerprint(mlx_dir), versions=_versions())
+    return run
+
+
+def _check_compatible(bundle: B.Bundle, config: dict, where: str) -> None:
+    def text(cfg):
+        return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        a, b = text(bundle.config).get(key), text(config).get(key)
+        if a != b:
+            raise ConfigError(f"{where}: {key} is {b} but the bundle was recorded with {a}")
+    if bundle.config.get("canvas_length") != config.get("canvas_length"):
+        raise ConfigError(
+            f"{where}: canvas_length {config.get('canvas_length')} differs from the bundle's "
+            f"{bundle.config.get('canvas_length')}"
+        )
+
+
+def run_parity(mlx_dir, options: Options) -> Report:
+    """Compare a converted MLX directory with its PyTorch reference."""
+    from dlm.runtime import api
+
+    mlx_dir = Path(mlx_dir).expanduser()
+    if not (mlx_dir / "config.json").exists():
+        raise ConfigError(f"{mlx_dir}: not a converted model directory (no config.json)")
+    config = _read_json(mlx_dir / "config.json")
+    family, adapter = _adapter(config, str(mlx_dir / "config.json"))
+    timings: dict[str, float] = {}
+    notes: list[str] = []
+
+    t = time.perf_counter()
+    if options.bundle:
+        bundle = B.load(Path(options.bundle))
+        if bundle.family != family.name:
+            raise ConfigError(f"bundle {options.bundle} is for {bundle.family}, the model is {family.name}")
+        _check_compatible(bundle, config, str(mlx_dir / "config.json"))
+        if options.prompts_file:
+            notes.append("--prompts ignored: the bundle's prompts are used")
+        reference = dict(bundle.original.meta, bundle=str(bundle.path))
+    else:
+        source, revision = options.reference, options.revision
+        if not source:
+            source, recorded_rev = recorded_source(config)
+            revision = revision or recorded_rev
+        if not source:
+            raise ConfigError(
+                f"{mlx_dir / 'config.json'} records no source (\"dlm\": {{\"source\": ...}}); "
+                "pass --reference HF_REPO_OR_DIR or --bundle"
+            )
+        live = Options(**{**options.__dict__, "reference": source, "revision": revision})
+        bundle = record(source, live)
+        reference = dict(bundle.original.meta)
+    timings["reference"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    loaded = api.load(mlx_dir, trust_remote_code=options.trust_remote_code)
+    prec = W.precision(mlx_dir, config)
+    compute = adapter.compute_dtype(loaded) if hasattr(adapter, "compute_dtype") else prec.compute_dtype
+    if compute != prec.compute_dtype:
+        prec = W.Precision(prec.label if prec.quantized else compute, compute, prec.bits, prec.mode)
+    mlx_logits = {}
+    for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
+        mlx_logits[case.name] = adapter.mlx_logits(loaded, case)
+    mlx_streams = []
+    for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
+        mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
+    timings["mlx"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    matched, matched_note = None, ""
+    if options.implementation:
+        fp = W.fingerprint(mlx_dir)
+        if bundle.matched is not None and bundle.matched.meta.get("fingerprint") == fp:
+            matched, matched_note = bundle.matched, "recorded in the bundle for these exact weights"
+        else:
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                matched_note = "needs torch (or a bundle recorded with --mlx for these weights)"
+            else:
+                matched = _matched_run(mlx_dir, bundle, adapter, compute, options)
+                matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
+    else:
+        matched_note = "disabled (--no-implementation)"
+    timings["implementation"] = time.perf_counter() - t
+
+    thr = options.thresholds
+    results = [C.check_logits("logits", bundle.original.logits, mlx_logits, prec, thr,
+                              note=f"reference in {bundle.original.meta.get('dtype', '?')}")]
+    if matched is not None:
+        results.append(C.check_logits("implementation", matched.logits, mlx_logits, prec, thr,
+                                      note=matched_note))
+    else:
+        results.append(C.skipped("implementation", matched_note))
+    results.append(C.check_drift(bundle.original.logits, mlx_logits, bundle.original.streams,
+                                 mlx_streams, prec, thr))
+    if matched is not None:
+        results.append(C.check_commit_stream(matched.streams, mlx_streams, prec, thr,
+                                             note="vs the reference with the MLX weights",
+                                             original=bundle.original.streams))
+    elif not prec.quantized:
+        results.append(C.check_commit_stream(bundle.original.streams, mlx_streams, prec, thr,
+                                             note="vs the original reference"))
+    else:
+        results.append(C.skipped("commit_stream", "quantized model without the same-weights reference"))
+
+    return Report(
+        model=str(mlx_dir), family=family.name, precision=prec.to_dict(), reference=reference,
+        checks=results, settings=dict(bundle.settings, stream_prompts=len(bundle.stream_prompts)),
+        prompts=len(bundle.prompts), cases=len(bundle.cases), timings=timings, notes=notes,
+    )
