@@ -1,0 +1,191 @@
+"""dlm-convert on bad input: a clear error naming the problem, and no output at all."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+from convert_helpers import copy_checkpoint, leftovers, reshard
+
+from dlm.convert import pipeline, writer
+from dlm.convert.cli import main
+from dlm.convert.pipeline import ConvertOptions, convert
+from dlm.runtime.errors import DlmError
+
+
+@pytest.fixture
+def ckpt(tiny_dg_dir, tmp_path):
+    return copy_checkpoint(tiny_dg_dir, tmp_path / "src")
+
+
+def fails(source, out, match, **kw):
+    """Convert, expect a DlmError matching ``match``, and check nothing was left behind."""
+    with pytest.raises(DlmError, match=match):
+        convert(ConvertOptions(source=str(source), output=str(out), progress=False, **kw),
+                echo=lambda s: None)
+    assert leftovers(out.parent, out) == []
+
+
+def edit_config(ckpt, fn):
+    path = ckpt / "config.json"
+    cfg = json.loads(path.read_text())
+    fn(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+def test_unknown_model_type_lists_supported(ckpt, tmp_path):
+    edit_config(ckpt, lambda c: c.update(model_type="gemma4"))
+    fails(ckpt, tmp_path / "out", r"unsupported model_type 'gemma4'.*diffusion_gemma.*llada2_moe")
+
+
+def test_missing_config(ckpt, tmp_path):
+    (ckpt / "config.json").unlink()
+    fails(ckpt, tmp_path / "out", r"has no config\.json")
+
+
+def test_invalid_config_json(ckpt, tmp_path):
+    (ckpt / "config.json").write_text("{not json")
+    fails(ckpt, tmp_path / "out", r"config\.json is not valid JSON")
+
+
+def test_missing_tokenizer(ckpt, tmp_path):
+    (ckpt / "tokenizer.json").unlink()
+    fails(ckpt, tmp_path / "out", r"has no tokenizer")
+
+
+def test_missing_shard_is_named(ckpt, tmp_path):
+    src = reshard(ckpt, tmp_path / "sharded", 3)
+    (src / "model-00002-of-00003.safetensors").unlink()
+    fails(src, tmp_path / "out", r"missing from .*model-00002-of-00003\.safetensors")
+
+
+def test_truncated_shard_is_named(ckpt, tmp_path):
+    src = reshard(ckpt, tmp_path / "sharded", 3)
+    shard = src / "model-00003-of-00003.safetensors"
+    os.truncate(shard, shard.stat().st_size - 1000)
+    fails(src, tmp_path / "out", r"shard model-00003-of-00003\.safetensors is truncated")
+
+
+def test_truncated_header(ckpt, tmp_path):
+    os.truncate(ckpt / "model.safetensors", 4)
+    fails(ckpt, tmp_path / "out", r"model\.safetensors is truncated or not a safetensors file")
+
+
+def test_shape_disagreeing_with_config_is_named(ckpt, tmp_path):
+    # hub form without global_head_dim means 512-wide full-attention heads: the tiny layer 5 is 32
+    edit_config(ckpt, lambda c: c["text_config"].pop("global_head_dim"))
+    fails(ckpt, tmp_path / "out", r"model\.decoder\.layers\.5\.self_attn\.q_proj\.weight has shape \[128, 64\]")
+
+
+def test_missing_tensor_is_named(ckpt, tmp_path):
+    edit_config(ckpt, lambda c: c["text_config"].update(num_hidden_layers=7, layer_types=None))
+    fails(ckpt, tmp_path / "out", r"missing tensor model\.decoder\.layers\.6\.")
+
+
+def test_pickle_weights_are_refused(ckpt, tmp_path):
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    fails(ckpt, tmp_path / "out", r"only pickle weights \(pytorch_model\.bin\).*safetensors only")
+
+
+def test_source_that_is_neither_dir_nor_repo(tmp_path):
+    fails("./no/such/dir", tmp_path / "out", r"not a directory and not a Hugging Face Hub repo id")
+
+
+def test_repo_not_in_offline_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    fails("google/not-cached", tmp_path / "out", r"not in the Hugging Face cache and HF_HUB_OFFLINE is set")
+
+
+def test_bad_quantization_flags(ckpt, tmp_path):
+    fails(ckpt, tmp_path / "out", r"--q-mode mxfp4 is fixed at 4 bits", q_bits=3, q_mode="mxfp4")
+    fails(ckpt, tmp_path / "out", r"--q-group-size 16 is not supported", q_group_size=16)
+
+
+def test_existing_output_is_refused_unless_overwrite(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    with pytest.raises(DlmError, match="already exists; pass --overwrite"):
+        convert(ConvertOptions(source=str(ckpt), output=str(out), progress=False), echo=lambda s: None)
+    assert (out / "config.json").read_text() == "{}"
+    convert(ConvertOptions(source=str(ckpt), output=str(out), overwrite=True, progress=False),
+            echo=lambda s: None)
+    assert (out / "model.safetensors").is_file() and json.loads((out / "config.json").read_text())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_model(ckpt, tmp_path):
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.txt").write_text("precious")
+    with pytest.raises(DlmError, match="does not look like a model directory"):
+        convert(ConvertOptions(source=str(ckpt), output=str(out), overwrite=True, progress=False),
+                echo=lambda s: None)
+    assert (out / "notes.txt").read_text() == "precious"
+
+
+def test_output_replacing_the_source_is_refused(ckpt):
+    with pytest.raises(DlmError, match="would replace the source"):
+        convert(ConvertOptions(source=str(ckpt), output=str(ckpt), overwrite=True, progress=False),
+                echo=lambda s: None)
+    assert (ckpt / "model.safetensors").is_file()
+
+
+def test_unwritable_output(ckpt, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DlmError, match="is not a directory"):
+        convert(ConvertOptions(source=str(ckpt), output=str(blocker / "out"), progress=False),
+                echo=lambda s: None)
+
+
+def test_not_enough_disk_space(ckpt, tmp_path, monkeypatch):
+    real = pipeline.shutil.disk_usage
+    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    fails(ckpt, tmp_path / "out", r"not enough free space .* needs 0\.\d+ GB")
+
+
+def test_disk_full_while_writing(ckpt, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    fails(ckpt, tmp_path / "out", r"disk full while writing .*model\.safetensors")
+
+
+def test_interrupted_run_leaves_nothing(ckpt, tmp_path, monkeypatch):
+    real = pipeline.run_job
+    calls = {"n": 0}
+
+    def run_job(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline, "run_job", run_job)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        convert(ConvertOptions(source=str(ckpt), output=str(out), progress=False), echo=lambda s: None)
+    assert leftovers(tmp_path, out) == []
+
+
+def test_cli_reports_errors_without_traceback(ckpt, tmp_path):
+    edit_config(ckpt, lambda c: c.update(model_type="mystery"))
+    res = CliRunner().invoke(main, [str(ckpt), "-o", str(tmp_path / "out"), "--no-progress"])
+    assert res.exit_code == 1
+    assert res.output.startswith("error: ") and "mystery" in res.output
+    assert "Traceback" not in res.output
+    res = CliRunner().invoke(main, [str(ckpt), "--hf-path", "other/repo"])
+    assert res.exit_code == 2 and "not both" in res.output
