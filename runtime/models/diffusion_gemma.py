@@ -295,3 +295,10 @@ def quant_class(path: str) -> str | None:
     ):
         return "low"
     return None
+
+
+# ---------------------------------------------------------------------------
+# MLX modules (runtime): see diffusion_gemma_layers.py
+# ---------------------------------------------------------------------------
+
+from .diffusion_gemma_layers import Model, PrefixCache, sanitize  # noqa: E402,F401

@@ -1,0 +1,159 @@
+"""Denoise one DiffusionGemma canvas (reference §4.2-4.5), with the model call injected.
+
+``denoise_canvas(decode, draws, length, config)`` runs up to N steps of:
+
+    logits = decode(canvas, sc_logits)                 # [B, L, V] float32
+    proc   = logits / T(cur_step)                      # linear schedule t_max -> t_min
+    sample = categorical(proc / temp) (argmax: temp 0 or debug canvas)
+    entropy-bound: canvas = where(accept, sample, fresh uniform noise)
+    confidence-threshold: revealed positions keep their token; newly revealed
+        ones take the sample; the rest get fresh uniform noise
+    stop when stable-and-confident (and, for confidence-threshold, all revealed)
+    sc_logits = proc cast to the embedding dtype
+
+and returns the argmax canvas of the last step (what the reference commits).
+Work stays lazy; the only host sync per step is the scalar stop decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from . import samplers as S
+
+
+@dataclass
+class DenoiseConfig:
+    steps: int = 48
+    sampler: str = S.ENTROPY_BOUND
+    entropy_bound: float = 0.1
+    threshold: float = 0.9  # confidence-threshold sampler
+    t_min: Optional[float] = 0.4  # None (either): no temperature schedule
+    t_max: Optional[float] = 0.8
+    stability_threshold: Optional[int] = 1  # None (either): no adaptive stop
+    confidence_threshold: Optional[float] = 0.005
+    temperature: float = 1.0  # denoiser sampling temperature on top of the schedule; 0 = argmax
+    sc_dtype: mx.Dtype = mx.float32  # self-conditioning logits are cast to the embedding dtype
+
+
+@dataclass
+class CanvasResult:
+    tokens: mx.array  # [B, L] argmax canvas of the last step
+    steps: int
+    stopped_early: bool
+    cancelled: bool = False
+
+
+class RandomDraws:
+    """Seeded draws: every call takes a fresh key split from one root key."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.vocab = vocab
+        self.key = mx.random.key(seed)
+
+    def _key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def canvas(self, shape: tuple[int, ...]) -> mx.array:
+        return mx.random.randint(0, self.vocab, shape, dtype=mx.int32, key=self._key())
+
+    def sample(self, proc: mx.array, temperature: float) -> mx.array:
+        if temperature == 0:
+            return mx.argmax(proc, axis=-1).astype(mx.int32)
+        logits = proc if temperature == 1 else proc / temperature
+        return mx.random.categorical(logits, axis=-1, key=self._key()).astype(mx.int32)
+
+
+class DebugDraws:
+    """Debug-canvas mode (reference §4.9): the n-th uniform draw of a generate
+    call is the fixed pattern n, and sampling is argmax. Draws are counted in
+    transformers' order: canvas init, then one renoise draw every step
+    (including the last and the one that stops early)."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.n = 0
+
+    def canvas(self, shape: tuple[int, ...]) -> mx.array:
+        pattern = S.debug_canvas_pattern(self.n, shape[-1], self.vocab)
+        self.n += 1
+        return mx.broadcast_to(pattern, shape)
+
+    def sample(self, proc: mx.array, temperature: float) -> mx.array:
+        return mx.argmax(proc, axis=-1).astype(mx.int32)
+
+
+Decode = Callable[[mx.array, Optional[mx.array]], mx.array]
+StepHook = Callable[[int, mx.array, mx.array], None]
+
+
+def denoise_canvas(
+    decode: Decode,
+    draws,
+    length: int,
+    config: DenoiseConfig,
+    *,
+    batch: int = 1,
+    cancel: Optional[Callable[[], bool]] = None,
+    on_step: Optional[StepHook] = None,
+) -> CanvasResult:
+    """Run the denoising loop for one canvas of ``length`` positions.
+
+    ``on_step(step_index, logits, argmax)`` (optional) sees every step's raw
+    float32 logits [B, L, V] and argmax [B, L] (parity traces)."""
+    shape = (batch, length)
+    canvas = draws.canvas(shape)
+    sc_logits = None
+    history: list[mx.array] = []
+    revealed = mx.zeros(shape, dtype=mx.bool_)
+    confidence_sampler = config.sampler == S.CONFIDENCE_THRESHOLD
+    adaptive = config.stability_threshold is not None and config.confidence_threshold is not None
+    schedule = config.t_min is not None and config.t_max is not None
+    argmax = canvas
+    steps = 0
+    for cur_step in range(config.steps, 0, -1):
+        if cancel is not None and cancel():
+            return CanvasResult(argmax, steps, False, cancelled=True)
+        logits = decode(canvas, sc_logits)
+        steps += 1
+        if schedule:
+            t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max)
+            proc = logits / mx.array(t)
+        else:
+            proc = logits
+        argmax = mx.argmax(proc, axis=-1).astype(mx.int32)
+        if on_step is not None:
+            on_step(steps - 1, logits, argmax)
+        entropy = S.token_entropy(proc)
+        sample = draws.sample(proc, config.temperature)
+        if confidence_sampler:
+            top1 = mx.exp(proc.max(axis=-1) - mx.logsumexp(proc, axis=-1))
+            new = S.confidence_accept(top1, revealed, config.threshold)
+            keep = mx.where(new, sample, draws.canvas(shape))
+            canvas = mx.where(revealed, canvas, keep)
+            revealed = revealed | new
+        else:
+            accept = S.entropy_bound_accept(entropy, config.entropy_bound)
+            canvas = mx.where(accept, sample, draws.canvas(shape))
+        sc_logits = proc.astype(config.sc_dtype)
+
+        stop = None
+        if adaptive:
+            stop = S.stable(argmax, history, config.stability_threshold) & S.confident(
+                entropy, config.confidence_threshold
+            )
+            if config.stability_threshold:
+                history = (history + [argmax])[-config.stability_threshold :]
+        if confidence_sampler:
+            done = mx.all(revealed)
+            stop = done if stop is None else stop | done
+        if stop is not None:
+            if cur_step > 1 and stop.item():
+                return CanvasResult(argmax, steps, True)
+        else:
+            mx.async_eval(canvas, sc_logits, argmax)
+    return CanvasResult(argmax, steps, False)

@@ -1,0 +1,102 @@
+"""Split committed token ids into answer text and reasoning (thinking channel).
+
+Gemma 4 style models write reasoning as ``<|channel>NAME\\n ... <channel|>``.
+Channel markers are ordinary special tokens inside canvases, so the split is
+done on ids (never by decoding with skip_special_tokens, which would also strip
+tool-call tokens). The channel name line (``thought\\n``) is dropped from the
+reasoning. Text is re-decoded from all ids of a stream on every feed and only
+the new suffix is returned, so multi-byte characters split across canvases
+come out whole.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+OPEN = "<|channel>"
+CLOSE = "<channel|>"
+
+
+def _token_id(tokenizer, token: str) -> Optional[int]:
+    try:
+        tid = tokenizer.convert_tokens_to_ids(token)
+    except Exception:
+        return None
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return None if tid is None or tid == unk else int(tid)
+
+
+class _Stream:
+    def __init__(self):
+        self.emitted = ""
+
+    def delta(self, text: str, final: bool) -> str:
+        if not final:
+            text = text.rstrip("\ufffd")  # an incomplete multi-byte character
+        if not text.startswith(self.emitted):
+            return ""
+        out = text[len(self.emitted):]
+        self.emitted = text
+        return out
+
+
+class ChannelParser:
+    """feed(ids) -> (text_delta, reasoning_delta); flush() returns what was held back."""
+
+    def __init__(self, tokenizer, prompt_ids: Optional[list[int]] = None):
+        self.tokenizer = tokenizer
+        self.open_id = _token_id(tokenizer, OPEN)
+        self.close_id = _token_id(tokenizer, CLOSE)
+        self.answer: list[int] = []
+        self.segments: list[list[int]] = []  # reasoning, one list per channel
+        self.in_channel = False
+        # A prompt that ends inside an open channel starts the output in it.
+        for t in reversed(prompt_ids or []):
+            if t in (self.open_id, self.close_id) and t is not None:
+                self.in_channel = t == self.open_id
+                if self.in_channel:
+                    self.segments.append([])
+                break
+        self._text, self._reasoning = _Stream(), _Stream()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+
+    def _reasoning_text(self, final: bool) -> str:
+        parts = []
+        for seg in self.segments:
+            text = self._decode(seg)
+            head, newline, body = text.partition("\n")
+            if newline:
+                parts.append(body)
+            elif final:
+                parts.append(text)
+            else:
+                break  # channel name line not complete yet
+        return "\n".join(parts)
+
+    def feed(self, ids: list[int], final: bool = False) -> tuple[str, str]:
+        for t in ids:
+            if self.open_id is not None and t == self.open_id:
+                self.in_channel = True
+                self.segments.append([])
+            elif self.close_id is not None and t == self.close_id and self.in_channel:
+                self.in_channel = False
+            elif self.in_channel:
+                self.segments[-1].append(t)
+            else:
+                self.answer.append(t)
+        text = self._text.delta(self._decode(self.answer), final)
+        reasoning = self._reasoning.delta(self._reasoning_text(final), final)
+        return text, reasoning
+
+    def flush(self) -> tuple[str, str]:
+        return self.feed([], final=True)
+
+    @property
+    def text(self) -> str:
+        return self._text.emitted
+
+    @property
+    def reasoning(self) -> str:
+        return self._reasoning.emitted

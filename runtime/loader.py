@@ -1,0 +1,210 @@
+"""Load a model directory into MLX: config -> family -> ModelArgs -> Model.
+
+Accepts dlm conversions, mlx-community conversions (same names, a
+``quantization`` block with per-module overrides) and, through the family's
+``sanitize``, plain Hugging Face checkpoints of a supported family. Weights are
+read only from safetensors; tokenizers never run checkpoint code unless
+``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import ConfigError, DlmError, UnsupportedModelError, WeightError
+from .registry import Family, family_for_config
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: dict
+    args: Any  # the family's ModelArgs
+    family: Family
+    model: Any  # the family's mlx.nn.Module
+    tokenizer: Any
+    generation_config: dict = field(default_factory=dict)
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {what} not found") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read {what}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: {what} is not a JSON object")
+    return data
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors shards of ``path`` (from the index when there is one)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index, "weight index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightError(f"{index}: no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise WeightError(f"{index} lists missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in path.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = f" (found {', '.join(other)}; dlm reads only safetensors)" if other else ""
+        raise WeightError(f"{path}: no *.safetensors weights{hint}")
+    return files
+
+
+def load_weights(path: Path) -> dict:
+    import mlx.core as mx
+
+    weights: dict = {}
+    for f in weight_files(path):
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as exc:  # truncated / not safetensors
+            raise WeightError(f"{f}: cannot read safetensors: {exc}") from None
+    return weights
+
+
+def quantization_block(config: dict) -> Optional[dict]:
+    """The MLX quantization block, or None. Other quantization formats are refused."""
+    q = config.get("quantization")
+    if q is None:
+        q = config.get("quantization_config")
+        if q is not None and "quant_method" in q and "bits" not in q:
+            raise ConfigError(
+                f"config.json: quantization_config uses quant_method {q.get('quant_method')!r}; "
+                "dlm runs MLX conversions (convert it with dlm-convert first)"
+            )
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError("config.json: 'quantization' is not an object")
+    return q
+
+
+def apply_quantization(model, q: dict, weights: dict) -> None:
+    """nn.quantize the modules that are stored quantized.
+
+    A module is quantized iff ``<path>.scales`` is in the weights (as mlx-lm
+    does); its parameters come from its per-module override in ``q`` if any,
+    else from the block's defaults. An override without ``mode`` is affine when
+    the module has ``.biases`` (mlx-vlm writes 8-bit affine overrides inside an
+    mxfp4 block without a mode), else the block's mode.
+    """
+    import mlx.nn as nn
+
+    default = {
+        "group_size": q.get("group_size"), "bits": q.get("bits"), "mode": q.get("mode", "affine"),
+    }
+
+    def predicate(path: str, module) -> Any:
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        override = q.get(path)
+        if override is False:
+            raise WeightError(f"{path}.scales is stored but config.json marks {path} unquantized")
+        if isinstance(override, dict):
+            mode = override.get("mode") or ("affine" if f"{path}.biases" in weights else default["mode"])
+            return {
+                "group_size": override.get("group_size", default["group_size"]),
+                "bits": override.get("bits", default["bits"]),
+                "mode": mode,
+            }
+        return dict(default)
+
+    try:
+        nn.quantize(model, class_predicate=predicate)
+    except ValueError as exc:
+        raise ConfigError(f"config.json: bad quantization block: {exc}") from None
+
+
+def check_weights(model, weights: dict) -> None:
+    """Names and shapes must match the module tree exactly; say which do not."""
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightError(f"missing tensor {missing[0]}{more}")
+    extra = sorted(set(weights) - set(params))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise WeightError(f"unexpected tensor {extra[0]}{more}")
+    for name, value in weights.items():
+        want = tuple(params[name].shape)
+        if tuple(value.shape) != want:
+            raise WeightError(f"tensor {name} has shape {list(value.shape)}, expected {list(want)}")
+
+
+def cpu_expert_fallback(model) -> None:
+    """On the CPU backend gather_mm is float32-only: keep unquantized half-precision
+    expert weights in float32 there (SwitchLinear rounds its outputs back)."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return
+    updates = []
+    for name, module in model.named_modules():
+        if type(module).__name__ == "SwitchLinear" and module["weight"].dtype != mx.float32:
+            updates.append((f"{name}.weight", module["weight"].astype(mx.float32)))
+    if updates:
+        model.load_weights(updates, strict=False)
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ConfigError(f"{path}: cannot load the tokenizer: {exc}") from None
+
+
+def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True) -> LoadedModel:
+    """Load a model directory (see module docstring)."""
+    import mlx.core as mx
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"{path}: not a directory")
+    config = read_json(path / "config.json", "config.json")
+    family = family_for_config(config, str(path / "config.json"))
+    try:
+        module = family.model()
+    except ImportError as exc:
+        raise UnsupportedModelError(
+            f"{path}: the {family.name} runtime is not available in this dlm ({exc})"
+        ) from None
+    args = module.ModelArgs.from_config(config, str(path / "config.json"))
+    model = module.Model(args)
+    weights = module.sanitize(load_weights(path))
+    q = quantization_block(config)
+    if q is not None:
+        apply_quantization(model, q, weights)
+    elif any(k.endswith(".scales") for k in weights):
+        raise ConfigError(f"{path}: weights are quantized but config.json has no 'quantization' block")
+    check_weights(model, weights)
+    model.load_weights(list(weights.items()), strict=True)
+    cpu_expert_fallback(model)
+    model.eval()
+    mx.eval(model.parameters())
+
+    gen_path = path / "generation_config.json"
+    if gen_path.exists():
+        generation_config = read_json(gen_path, "generation_config.json")
+    else:  # mlx-vlm embeds it in config.json
+        generation_config = dict(config.get("generation_config") or {})
+    tok = load_tokenizer(path, trust_remote_code) if tokenizer else None
+    return LoadedModel(path, config, args, family, model, tok, generation_config)
+
+
+__all__ = ["LoadedModel", "load", "DlmError"]

@@ -1,0 +1,556 @@
+"""DiffusionGemma MLX modules: encoder (causal prefill into a KV cache) and
+decoder (bidirectional canvas denoiser reading that cache).
+
+Parameter names equal the converted tensor names (mlx-community layout), so a
+converted directory loads with ``Model.load_weights`` as it is.  Equations and
+dtype flow follow ../../../shared/reference/diffusion_gemma.md §3 (transformers 5.24):
+
+* RMSNorm multiplies by ``w`` (not ``1 + w``), computed in float32, one cast.
+* Attention scale is 1.0; full-attention layers have K = V (raw k_proj output,
+  taken before k_norm) with their own head_dim / kv heads.
+* Full layers use "proportional" RoPE (frequencies over the whole head_dim,
+  the rest pass through); sliding layers plain RoPE.
+* The router sees the raw residual; experts see pre_feedforward_layernorm_2.
+* Decoder sliding layers see exactly the cached last ``sliding_window - 1``
+  prefix positions plus the canvas, with no mask.
+* Logits: tied embedding head in the model dtype, then float32 softcap.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:  # the config lives in diffusion_gemma.py, which imports this file
+    from .diffusion_gemma import ModelArgs
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+# ---------------------------------------------------------------------------
+# Elementwise helpers
+# ---------------------------------------------------------------------------
+
+
+def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:
+    """RMS_w(x) in float32 with one cast back (reference §3, pitfall 1)."""
+    if x.dtype == mx.float32:
+        return mx.fast.rms_norm(x, weight, eps)
+    x32 = x.astype(mx.float32)
+    y = x32 * mx.rsqrt(mx.mean(mx.square(x32), axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(mx.float32)
+    return y.astype(x.dtype)
+
+
+@mx.compile
+def _gelu_tanh_f32(x: mx.array) -> mx.array:
+    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    # torch evaluates gelu of half types in float32 and rounds once.
+    act = _gelu_tanh_f32(gate.astype(mx.float32)).astype(gate.dtype)
+    return act * up
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self.eps)
+
+
+def make_rope_freqs(head_dim: int, params: dict, where: str) -> mx.array:
+    """Periods (1 / inv_freq) for mx.fast.rope over the whole head_dim.
+
+    "default": inv_freq_i = theta^(-2i/d'), d' = head_dim * partial_rotary_factor.
+    "proportional": the first int(p * head_dim // 2) pairs rotate with exponent
+    over the FULL head_dim; the remaining pairs get inv_freq 0 (period inf), so
+    dims (i, i + head_dim/2) for those i pass through unchanged.
+    """
+    rope_type = params.get("rope_type", "default")
+    theta = np.float32(params["rope_theta"])
+    factor = np.float32(params.get("factor", 1.0) or 1.0)
+    partial = float(params.get("partial_rotary_factor", 1.0) or 1.0)
+    if rope_type == "default":
+        dim = int(head_dim * partial)
+        if dim != head_dim:
+            raise ConfigError(f"{where}: default RoPE with partial_rotary_factor {partial} is not supported")
+        inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    elif rope_type == "proportional":
+        n_rot = int(partial * head_dim // 2)
+        rot = 1.0 / (theta ** (np.arange(0, 2 * n_rot, 2, dtype=np.float32) / np.float32(head_dim)))
+        inv = np.concatenate([rot, np.zeros(head_dim // 2 - n_rot, dtype=np.float32)]) / factor
+    else:
+        raise ConfigError(f"{where}: unsupported rope_type {rope_type!r}")
+    with np.errstate(divide="ignore"):
+        periods = (np.float32(1.0) / inv.astype(np.float32)).astype(np.float32)
+    return mx.array(periods)
+
+
+# ---------------------------------------------------------------------------
+# Prefix KV cache (written by the encoder, read by the decoder)
+# ---------------------------------------------------------------------------
+
+
+class PrefixCache:
+    """Encoder K/V of one layer, [B, kv_heads, T, head_dim].
+
+    Full layers keep every position; sliding layers keep the last
+    ``sliding_window - 1`` (as transformers' DynamicSlidingWindowLayer does), which
+    is exactly what the decoder must see. ``offset`` counts all positions seen.
+    """
+
+    def __init__(self, keep: Optional[int] = None):
+        self.keep = keep
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.offset = 0
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append; return the old entries plus the new ones (what the encoder chunk attends to)."""
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2] - self.length
+        if self.keep is not None and keys.shape[2] > self.keep:
+            self.keys, self.values = keys[:, :, -self.keep :], values[:, :, -self.keep :]
+        else:
+            self.keys, self.values = keys, values
+        return keys, values
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+# ---------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, args: "ModelArgs", index: int):
+        super().__init__()
+        H, nh = args.hidden_size, args.num_attention_heads
+        self.head_dim = d = args.layer_head_dims[index]
+        self.n_heads, self.n_kv = nh, args.layer_kv_heads[index]
+        self.is_sliding = args.layer_types[index] == SLIDING
+        self.window = args.sliding_window
+        self.eps = args.rms_norm_eps
+        self.q_proj = nn.Linear(H, nh * d, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * d, bias=False)
+        if self.is_sliding:  # full layers: V = K (no v_proj), hard-wired in the reference
+            self.v_proj = nn.Linear(H, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, H, bias=False)
+        self.q_norm = RMSNorm(d, self.eps)
+        self.k_norm = RMSNorm(d, self.eps)
+        layer_type = args.layer_types[index]
+        self._freqs = make_rope_freqs(d, args.rope_parameters[layer_type], f"rope_parameters.{layer_type}")
+
+    def _rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(
+            x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs
+        )
+
+    def _encoder_mask(self, n_prev: int, S: int):
+        # Queries sit at positions n_prev..n_prev+S-1 of the visible key run.
+        if not self.is_sliding or n_prev + S <= self.window:
+            return "causal" if S > 1 else None
+        q = mx.arange(n_prev, n_prev + S)[:, None]
+        k = mx.arange(n_prev + S)[None, :]
+        return (k <= q) & (k > q - self.window)
+
+    def __call__(self, x: mx.array, cache: PrefixCache, offset: int, encode: bool) -> mx.array:
+        B, S, _ = x.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x).reshape(B, S, self.n_heads, d)).transpose(0, 2, 1, 3)
+        k_raw = self.k_proj(x).reshape(B, S, self.n_kv, d)
+        v_raw = self.v_proj(x).reshape(B, S, self.n_kv, d) if self.is_sliding else k_raw
+        k = self.k_norm(k_raw).transpose(0, 2, 1, 3)
+        v = rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)
+        q, k = self._rope(q, offset), self._rope(k, offset)
+        if encode:
+            n_prev = cache.length
+            keys, values = cache.update(k, v)
+            mask = self._encoder_mask(n_prev, S)
+        else:  # the decoder reads the cache, never writes it; no mask at all
+            keys, values, mask = k, v, None
+            if cache.keys is not None:
+                keys = mx.concatenate([cache.keys, k], axis=2)
+                values = mx.concatenate([cache.values, v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        H = args.hidden_size
+        self.proj = nn.Linear(H, args.num_experts, bias=False)
+        self.scale = mx.ones((H,))
+        self.per_expert_scale = mx.ones((args.num_experts,))
+        self.top_k = args.top_k_experts
+        self.eps = args.rms_norm_eps
+        self.root = H**-0.5
+
+    def __call__(self, r: mx.array) -> tuple[mx.array, mx.array]:
+        z = rms_norm(r, None, self.eps) * self["scale"].astype(r.dtype) * self.root
+        probs = mx.softmax(self.proj(z).astype(mx.float32), axis=-1)
+        k = self.top_k
+        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        w = mx.take_along_axis(probs, idx, axis=-1)
+        w = w / w.sum(axis=-1, keepdims=True)
+        # per_expert_scale multiplies the renormalised weights (float32).
+        return w * self["per_expert_scale"][idx].astype(mx.float32), idx
+
+
+class SwitchLinear(nn.Module):
+    """Per-expert linear: weight [experts, out, in] (HF layout), applied with gather_mm."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
+        super().__init__()
+        self.weight = mx.zeros((num_experts, output_dims, input_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        w = self["weight"]
+        # The CPU backend's gather_mm is float32-only: half-precision models keep
+        # their expert weights in float32 there (see loader) and round back here.
+        xd = x.astype(w.dtype) if x.dtype != w.dtype else x
+        y = mx.gather_mm(xd, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return y.astype(x.dtype)
+
+    def to_quantized(self, group_size: int = None, bits: int = None, mode: str = "affine", **_):
+        return QuantizedSwitchLinear.from_float(self, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    def __init__(self, weight, scales, biases, group_size: int, bits: int, mode: str):
+        super().__init__()
+        self.weight, self.scales = weight, scales
+        if biases is not None:
+            self.biases = biases
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.freeze()
+
+    @classmethod
+    def from_float(cls, layer: SwitchLinear, group_size, bits, mode):
+        group_size, bits = nn.layers.quantized._defaults_for_mode(mode, group_size, bits)
+        w, scales, *biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
+        return cls(w, scales, biases[0] if biases else None, group_size, bits, mode)
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(
+            x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
+            transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
+
+
+class Experts(nn.Module):
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        H, M, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
+        self.inter = M
+        self.gate_up_proj = SwitchLinear(H, 2 * M, E)  # gate rows [:M], up rows [M:]
+        self.down_proj = SwitchLinear(M, H, E)
+
+    def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
+        N, K = idx.shape
+        M = self.inter
+        if idx.size >= 64:
+            # Sort token copies by expert so gather_mm reads each expert once.
+            flat = idx.flatten()
+            order = mx.argsort(flat)
+            inverse = mx.argsort(order)
+            ids = flat[order]
+            xs = x[order // K][:, None, :]
+            h = self.gate_up_proj(xs, ids, sorted_indices=True)
+            y = self.down_proj(geglu(h[..., :M], h[..., M:]), ids, sorted_indices=True)
+            y = y[inverse].reshape(N, K, -1)
+        else:
+            h = self.gate_up_proj(x[:, None, None, :], idx)
+            y = self.down_proj(geglu(h[..., :M], h[..., M:]), idx).reshape(N, K, -1)
+        # Weighted sum in float32, one cast (transformers' grouped_mm path).
+        return (y.astype(mx.float32) * weights[..., None]).sum(axis=1).astype(x.dtype)
+
+
+NORMS = (
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "post_feedforward_layernorm", "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+)
+
+
+class DecoderLayer(nn.Module):
+    """One text layer; the encoder runs the same weights with its own layer_scalar."""
+
+    def __init__(self, args: "ModelArgs", index: int):
+        super().__init__()
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(args, index)
+        self.mlp = MLP(H, args.intermediate_size)
+        self.router = Router(args)
+        self.experts = Experts(args)
+        for name in NORMS:
+            setattr(self, name, RMSNorm(H, eps))
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(
+        self, x: mx.array, cache: PrefixCache, offset: int, encode: bool,
+        layer_scalar: Optional[mx.array] = None, attention_only: bool = False,
+    ) -> mx.array:
+        a = self.self_attn(self.input_layernorm(x), cache, offset, encode)
+        h = x + self.post_attention_layernorm(a)
+        if attention_only:  # last encoder layer: only its K/V matter
+            return h
+        m1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        flat = h.reshape(-1, h.shape[-1])
+        weights, idx = self.router(flat)  # routed on the raw residual
+        m2 = self.experts(self.pre_feedforward_layernorm_2(flat), idx, weights).reshape(h.shape)
+        m2 = self.post_feedforward_layernorm_2(m2)
+        out = h + self.post_feedforward_layernorm(m1 + m2)
+        scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
+        return out * scalar.astype(out.dtype)
+
+
+class SelfConditioning(nn.Module):
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_norm = RMSNorm(H, eps)
+        self.gate_proj = nn.Linear(H, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, H, bias=False)
+        self.eps = eps
+
+    def __call__(self, embeds: mx.array, soft: Optional[mx.array]) -> mx.array:
+        if soft is None:  # first step: RMS(0) = 0 and MLP(0) = 0 exactly
+            return rms_norm(embeds, None, self.eps)
+        n = self.pre_norm(soft)
+        signal = self.down_proj(geglu(self.gate_proj(n), self.up_proj(n)))
+        return rms_norm(embeds + signal, None, self.eps)  # post_norm has no weight
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    return "scales" in module
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(args)
+        self.hidden = args.hidden_size
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Activation dtype: the embedding's float dtype (the norm's when the
+        embedding scales are not a float type, e.g. mxfp4)."""
+        e = self.embed_tokens
+        if not _is_quantized(e):
+            return e["weight"].dtype
+        if mx.issubdtype(e["scales"].dtype, mx.floating):
+            return e["scales"].dtype
+        return self.norm["weight"].dtype
+
+    def _scale(self, dtype) -> mx.array:
+        # sqrt(H) as float32, then cast to the weight dtype (bf16: 53.0, pitfall 15).
+        return mx.array(np.float32(math.sqrt(self.hidden))).astype(dtype)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        dtype = self.dtype
+        return self.embed_tokens(ids).astype(dtype) * self._scale(dtype)
+
+    def soft_embed(self, sc_logits: mx.array) -> mx.array:
+        """softmax_f32(sc_logits) cast to the embedding dtype, @ W_E, * sqrt(H)."""
+        dtype = self.dtype
+        p = mx.softmax(sc_logits.astype(mx.float32), axis=-1).astype(dtype)
+        e = self.embed_tokens
+        if _is_quantized(e):
+            s = mx.quantized_matmul(
+                p, e["weight"], e["scales"], e.get("biases"), transpose=False,
+                group_size=e.group_size, bits=e.bits, mode=e.mode,
+            )
+        else:
+            s = p @ e["weight"]
+        return s.astype(dtype) * self._scale(dtype)
+
+    def logits(self, h: mx.array, softcap: float) -> mx.array:
+        out = self.embed_tokens.as_linear(self.norm(h)).astype(mx.float32)
+        return mx.tanh(out / softcap) * softcap
+
+
+class EncoderLayerScalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer_scalar = mx.ones((1,))
+
+
+class EncoderTextModel(nn.Module):
+    """The encoder shares every text weight with the decoder except layer_scalar."""
+
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        self.layers = [EncoderLayerScalar() for _ in range(args.num_hidden_layers)]
+
+
+class EncoderModel(nn.Module):
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        self.language_model = EncoderTextModel(args)
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        self.decoder = DecoderModel(args)
+        self.encoder = EncoderModel(args)
+
+
+class Model(nn.Module):
+    """DiffusionGemma text model (batch size 1 in the generation loop; B > 1 works here).
+
+    Methods used by the generation loop and the parity suite:
+
+    * ``make_cache() -> list[PrefixCache]``: one empty prefix cache per layer.
+    * ``encode(ids, cache, offset=None) -> None``: causal encoder pass of ``ids``
+      ([B, S] or [S] int) at positions ``offset..offset+S-1`` (default: the cache's
+      offset), appending post-norm post-RoPE K and normed V to ``cache``. Used for the
+      prompt and for re-encoding each committed canvas at its own positions. Lazy.
+    * ``prefill(ids, cache, chunk_size=2048) -> None``: ``encode`` in chunks, each evaluated.
+    * ``decode(canvas, cache, sc_logits=None, offset=None) -> mx.array``: one denoiser
+      pass over ``canvas`` ([B, L] or [L]) at positions ``offset..offset+L-1`` reading
+      ``cache`` read-only; ``sc_logits`` ([B, L, V], the previous step's processed
+      logits, or None on the first step of a canvas) drives self-conditioning.
+      Returns float32 softcapped logits [B, L, V].
+    """
+
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+
+    @property
+    def layers(self):
+        return self.model.decoder.layers
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.model.decoder.dtype
+
+    def make_cache(self) -> list[PrefixCache]:
+        keep = self.args.sliding_window - 1
+        return [PrefixCache(keep if t == SLIDING else None) for t in self.args.layer_types]
+
+    @staticmethod
+    def _ids(ids) -> mx.array:
+        ids = ids if isinstance(ids, mx.array) else mx.array(ids)
+        ids = ids.astype(mx.int32) if ids.dtype != mx.int32 else ids
+        return ids[None] if ids.ndim == 1 else ids
+
+    def encode(self, ids, cache: list[PrefixCache], offset: Optional[int] = None) -> None:
+        ids = self._ids(ids)
+        offset = cache[0].offset if offset is None else offset
+        dec = self.model.decoder
+        scalars = self.model.encoder.language_model.layers
+        h = dec.embed(ids)
+        last = len(dec.layers) - 1
+        for i, layer in enumerate(dec.layers):
+            h = layer(h, cache[i], offset, True, scalars[i]["layer_scalar"], attention_only=i == last)
+
+    def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = 2048) -> None:
+        ids = self._ids(ids)
+        for start in range(0, ids.shape[1], chunk_size):
+            self.encode(ids[:, start : start + chunk_size], cache)
+            mx.eval([c.state for c in cache])
+
+    def decode(
+        self, canvas, cache: list[PrefixCache], sc_logits: Optional[mx.array] = None,
+        offset: Optional[int] = None,
+    ) -> mx.array:
+        canvas = self._ids(canvas)
+        offset = cache[0].offset if offset is None else offset
+        dec = self.model.decoder
+        soft = None
+        if sc_logits is not None:
+            soft = dec.soft_embed(sc_logits if sc_logits.ndim == 3 else sc_logits[None])
+        h = dec.self_conditioning(dec.embed(canvas), soft)
+        for i, layer in enumerate(dec.layers):
+            h = layer(h, cache[i], offset, False)
+        return dec.logits(h, self.args.final_logit_softcapping)
+
+
+# ---------------------------------------------------------------------------
+# Runtime sanitize: HF checkpoints and mlx-community conversions load as they are
+# ---------------------------------------------------------------------------
+
+_UNFUSED = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+_DROP = re.compile(r"(^lm_head\.|rotary_emb|inv_freq$|^model\.encoder\.(vision_tower|embed_vision)\.)")
+
+
+def sanitize(weights: dict) -> dict:
+    """Map any supported on-disk layout onto this module tree.
+
+    * HF names: fused experts ``experts.gate_up_proj`` / ``experts.down_proj`` get
+      ``.weight``; tied ``lm_head`` and rotary buffers are dropped.
+    * Un-fused per-expert keys (``experts.{e}.{gate,up,down}_proj.{weight,scales,biases}``)
+      are stacked and gate/up fused along the output axis.
+    * ``model.encoder.language_model.*`` keeps only ``layers.{i}.layer_scalar``.
+    * Vision tower / embed_vision tensors are dropped (text-only runtime).
+    """
+    out: dict = {}
+    unfused: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    for name, value in weights.items():
+        if _DROP.search(name):
+            continue
+        if name.startswith("model.encoder.language_model.") and not name.endswith(".layer_scalar"):
+            continue
+        m = _UNFUSED.match(name)
+        if m:
+            prefix, e, proj, suffix = m.groups()
+            unfused.setdefault((prefix, proj, suffix), {})[int(e)] = value
+            continue
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            name += ".weight"
+        out[name] = value
+    stacked: dict[tuple[str, str, str], mx.array] = {}
+    for key, parts in unfused.items():
+        stacked[key] = mx.stack([parts[e] for e in sorted(parts)])
+    for (prefix, proj, suffix), value in stacked.items():
+        if proj == "down_proj":
+            out[f"{prefix}.down_proj.{suffix}"] = value
+        elif proj == "gate_proj":
+            up = stacked.get((prefix, "up_proj", suffix))
+            if up is not None:
+                out[f"{prefix}.gate_up_proj.{suffix}"] = mx.concatenate([value, up], axis=1)
+    return out
