@@ -314,10 +314,34 @@ def stop_ids(loaded, s: Settings) -> set[int]:
     return ids
 
 
+_HOOKS = (
+    "on_step", "trace", "uniforms", "kv_cache", "suppress_mask", "early_stop", "stop_on_role_end",
+    "editing_threshold",
+)
+
+
 def stream_generate(
-    loaded, prompt_ids: list[int], settings: Settings, cancel: Optional[Callable[[], bool]] = None
+    loaded, prompt_ids: list[int], settings: Settings, cancel: Optional[Callable[[], bool]] = None,
+    *, stop_ids: Optional[list[int]] = None, **hooks,
 ) -> Iterator[GenerationEvent]:
-    return _BlockLoop(loaded, list(prompt_ids), settings, cancel).run()
+    """Events: one per finished block (its new tokens and text, in sequence
+    order), then the final event with finish_reason and stats.
+
+    ``hooks`` override the internal Settings switches (parity suite, tests):
+    on_step(block, step, logits), trace, uniforms, kv_cache, suppress_mask,
+    early_stop, stop_on_role_end, editing_threshold (None: 2.0 decoding);
+    ``stop_ids`` replaces the stop-token set."""
+    unknown = sorted(set(hooks) - set(_HOOKS))
+    if unknown:
+        raise GenerationError(f"unknown LLaDA-2 generation hook(s): {', '.join(unknown)}")
+    if hooks:
+        from dataclasses import replace
+
+        settings = replace(settings, **hooks)
+    loop = _BlockLoop(loaded, list(prompt_ids), settings, cancel)
+    if stop_ids is not None:
+        loop.set_stops(stop_ids)
+    return loop.run()
 
 
 class _BlockLoop:
@@ -343,9 +367,13 @@ class _BlockLoop:
         self.logit_bias = None
         if s.suppress_mask:
             self.logit_bias = mx.where(mx.arange(V) == s.mask_token_id, -mx.inf, 0.0)
-        self.stop_arr = mx.array(sorted(self.stops), dtype=mx.int32) if self.stops else None
+        self.set_stops(self.stops)
         self.detok = _Detokenizer(getattr(loaded, "tokenizer", None))
         self.stats = GenerationStats(prompt_tokens=self.P)
+
+    def set_stops(self, ids) -> None:
+        self.stops = {int(i) for i in ids}
+        self.stop_arr = mx.array(sorted(self.stops), dtype=mx.int32) if self.stops else None
 
     # -- model calls -------------------------------------------------------
 
@@ -437,8 +465,7 @@ class _BlockLoop:
             emitted += len(new)
             self.stats.completion_tokens = emitted
             text = self.detok.add(new, final=finish == "stop" or b == nb - 1)
-            if new or text:
-                yield GenerationEvent(token_ids=new, text=text)
+            yield GenerationEvent(token_ids=new, text=text)
             if finish == "stop":
                 break
         yield self._final(finish, t0, t1)

@@ -410,6 +410,7 @@ def generate(
     max_post_steps: int = 16,
     trace: Optional[list] = None,
     on_step: Optional[Callable] = None,
+    early_stop: bool = False,
 ) -> torch.Tensor:
     """The hub 2.0 ``generate`` (§4.2), full recompute every step.
 
@@ -419,7 +420,9 @@ def generate(
     block (§6.3, with the block-causal log-mask); ``eos_id`` may be a set of
     ids. ``trace`` receives one ``(block, step, positions, tokens)`` tuple per
     step (absolute positions, sorted); ``on_step(block, step, logits)`` sees
-    every step's raw float32 logits of the block [bl, V].
+    every step's raw float32 logits of the block [bl, V]. ``early_stop``
+    ends a block's step loop once its output is final (no mask before the
+    first eos or before P + gen_length): same output, fewer steps (dlm's rule).
     """
     eos_ids = {int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id}
     x_in = input_ids.reshape(1, -1)
@@ -469,6 +472,9 @@ def generate(
                 if trace is not None:
                     where = commit.nonzero()[:, 0]
                     trace.append((b, s, (where + start).tolist(), tok[where].tolist()))
+                if early_stop and _block_final(window[0, start:end], max(P - start, 0),
+                                               P + gen_length - start, eos_ids, mask_id):
+                    break
                 if eos_early_stop and has_eos(tok[commit]):
                     e = next(i for i, v in enumerate(x[0].tolist()) if v in eos_ids)
                     if not bool((x[0, P:e] == mask_id).any()):
@@ -485,6 +491,14 @@ def generate(
     g = x[0, P : P + gen_length].tolist()
     n = next((i for i, v in enumerate(g) if v in eos_ids), len(g) - 1)
     return torch.tensor(g[: n + 1], dtype=torch.long)
+
+
+def _block_final(block, gen_from, need, eos_ids, mask_id) -> bool:
+    vals = block.tolist()
+    need = min(need, len(vals))
+    first_mask = next((i for i in range(gen_from, len(vals)) if vals[i] == mask_id), len(vals))
+    first_eos = next((i for i in range(gen_from, len(vals)) if vals[i] in eos_ids), len(vals))
+    return first_mask >= need or first_eos < first_mask
 
 
 def _edit_block(model, window, mask, pos, b, start, end, P, steps, quota, threshold,

@@ -1,0 +1,340 @@
+"""LLaDA-2 (``llada2_moe``) verify adapter: dlm's independent PyTorch
+reference (``dlm.verify.llada2_torch``, written from llada2_moe.md) and the
+matching MLX calls, following ``dlm.verify.protocol``.
+
+With ``trust_remote_code`` and a checkpoint that ships its modeling code
+(``auto_map`` + ``modeling_*.py``), that code's forward pass is the reference
+instead (``dlm.verify.llada2_remote``); the generation algorithm around it is
+the reference ``generate`` of llada2_torch either way (the hub 2.0
+``generate`` cannot run greedily: it samples at temperature 0).
+
+Commit streams: per prompt, a greedy run and a seeded sampled run whose draws
+come from the shared uniform stream (``dlm.runtime.llada2_generate.UniformStream``),
+so both frameworks draw the same samples; their blocks are concatenated.
+torch is imported lazily (bundle comparisons run without it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlm.runtime.errors import ConfigError, DlmError, WeightError
+
+from .protocol import CommitStream, LogitCase, TraceRecorder
+
+DTYPES = ("float32", "bfloat16", "float16")
+BLOCK_LENGTH = 32
+SEEDED_RUN = {"name": "seeded", "temperature": 0.8, "top_p": 0.95, "seed": 1234}
+_SWITCH = re.compile(r"^(model\.layers\.\d+\.mlp\.)switch_mlp\.(\w+_proj)\.weight$")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
+
+
+def _args(config: dict):
+    from dlm.runtime.models.llada2_moe import ModelArgs
+
+    return ModelArgs.from_config(config)
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--reference-dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    return getattr(torch, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Reference:
+    model: Any  # forward(input_ids, attention_mask=None | 4-D additive, position_ids=None) -> f32 logits
+    config: dict
+    generation_config: dict
+    dtype: str
+    path: Path
+    notes: list[str] = field(default_factory=list)
+
+
+def ships_modeling_code(path: Path, config: dict) -> bool:
+    return bool(config.get("auto_map")) and any(Path(path).glob("modeling_*.py"))
+
+
+def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
+                   trust_remote_code: bool = False) -> Reference:
+    """The PyTorch reference on CPU (see dlm.verify.protocol)."""
+    import torch
+
+    from . import llada2_torch as R
+
+    path = Path(path)
+    torch_dtype = _torch_dtype(dtype)
+    config = _read_json(path / "config.json")
+    if config.get("model_type") != "llada2_moe":
+        raise ConfigError(f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not llada2_moe")
+    gen_path = path / "generation_config.json"
+    generation_config = _read_json(gen_path) if gen_path.exists() else {}
+    notes: list[str] = []
+    if weights is None and trust_remote_code and ships_modeling_code(path, config):
+        from .llada2_remote import load_remote
+
+        model = load_remote(path, torch_dtype)
+        notes.append("forward pass: the checkpoint's own modeling code (--trust-remote-code)")
+        return Reference(model, config, generation_config, dtype, path, notes)
+    try:
+        cfg = R.RefConfig.from_dict({k: v for k, v in config.items() if k not in ("quantization", "quantization_config")})
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"{path / 'config.json'}: cannot build the reference: {exc}") from None
+    if weights is None:
+        try:
+            model = R.load_reference(path, torch_dtype)
+        except FileNotFoundError as exc:
+            raise WeightError(str(exc)) from None
+        except RuntimeError as exc:  # load_state_dict: missing / unexpected / mis-shaped
+            raise WeightError(f"{path}: the checkpoint does not match its config: {exc}") from None
+    else:
+        model = R.LLaDA2Reference(cfg)
+        state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}
+        if config.get("tie_word_embeddings") and "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.word_embeddings.weight"]
+        own = model.state_dict()
+        for name, value in state.items():
+            if name not in own:
+                raise WeightError(f"MLX tensor {name} has no counterpart in the PyTorch reference")
+            if tuple(value.shape) != tuple(own[name].shape):
+                raise WeightError(f"MLX tensor {name} has shape {list(value.shape)}; the reference "
+                                  f"expects {list(own[name].shape)}")
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise WeightError(f"the MLX model lacks tensor {missing[0]} (and {len(missing) - 1} more)")
+        model.load_state_dict(state, strict=True)
+        model = model.to(torch_dtype).eval()
+        notes.append("weights: the MLX model's (dequantized)")
+    return Reference(model, config, generation_config, dtype, path, notes)
+
+
+def hf_weights_from_mlx(mlx_weights: dict, config: dict) -> dict:
+    """MLX names -> hub names: split the stacked switch experts per expert."""
+    out = {}
+    for name, value in mlx_weights.items():
+        if name.startswith("language_model."):
+            name = name[len("language_model."):]
+        m = _SWITCH.match(name)
+        if m:
+            for e in range(value.shape[0]):
+                out[f"{m.group(1)}experts.{e}.{m.group(2)}.weight"] = value[e]
+        else:
+            out[name] = value
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Logit cases
+# ---------------------------------------------------------------------------
+
+
+def _block_length(generation_config: dict) -> int:
+    return int((generation_config or {}).get("block_length") or BLOCK_LENGTH)
+
+
+def filler(n: int, length: int, vocab: int, avoid: int) -> np.ndarray:
+    """Deterministic stand-in tokens (never the mask id)."""
+    i = np.arange(length, dtype=np.int64)
+    x = ((i + 1) * 7919 + n * 104729) % vocab
+    return np.where(x == avoid, (x + 1) % vocab, x)
+
+
+def logit_cases(config: dict, prompts: list[list[int]], generation_config: dict) -> list[LogitCase]:
+    """Per prompt: the first denoising step (prompt + masks to the end of the
+    block holding the prompt's tail, block-causal), a later step (one more
+    committed block of filler tokens, then an active block half revealed), and
+    a plain bidirectional forward (the hub's ``model(input_ids)``)."""
+    args = _args(config)
+    bl, V, mask = _block_length(generation_config), args.vocab_size, args.mask_token_id
+    cases = []
+    for i, prompt in enumerate(prompts):
+        P = len(prompt)
+        end = (P // bl + 1) * bl
+        first = np.concatenate([np.asarray(prompt, np.int64), np.full(end - P, mask, np.int64)])
+        meta = {"kind": "block", "block_length": bl}
+        cases.append(LogitCase(f"p{i}.first", list(prompt), {"window": first}, dict(meta)))
+        committed = first.copy()
+        committed[P:] = filler(1, end - P, V, mask)
+        active = filler(2, bl, V, mask)
+        active[::2] = mask
+        nxt = np.concatenate([committed, filler(3, bl, V, mask), active])
+        cases.append(LogitCase(f"p{i}.next", list(prompt), {"window": nxt}, dict(meta)))
+        plain = np.concatenate([np.asarray(prompt, np.int64), np.full(min(bl, 16), mask, np.int64)])
+        cases.append(LogitCase(f"p{i}.bidir", list(prompt), {"window": plain}, {"kind": "bidirectional"}))
+    return cases
+
+
+def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
+    import torch
+
+    from .llada2_torch import block_causal_mask
+
+    ids = torch.from_numpy(np.asarray(case.arrays["window"], np.int64))[None]
+    with torch.no_grad():
+        if case.meta["kind"] == "bidirectional":
+            return ref.model(ids)[0].float().numpy()
+        bl = int(case.meta["block_length"])
+        mask = block_causal_mask(ids.shape[1], bl, torch.float32)
+        return ref.model(ids, mask)[0, -bl:].float().numpy()
+
+
+def mlx_logits(loaded, case: LogitCase) -> np.ndarray:
+    """The same forward on the MLX model, through the runtime's KV-cache path:
+    earlier blocks prefilled, the last committed block fused with the active
+    one (as the generation loop does)."""
+    import mlx.core as mx
+
+    from dlm.runtime.models.llada2_moe import block_causal_mask
+
+    model = loaded.model
+    window = np.asarray(case.arrays["window"], np.int32)
+    if case.meta["kind"] == "bidirectional":
+        return np.array(model(mx.array(window)[None])[0])
+    bl = int(case.meta["block_length"])
+    start = len(window) - bl
+    cache = model.make_cache(len(window))
+    prefix = max(start - bl, 0)
+    if prefix:
+        model(mx.array(window[:prefix])[None], cache, block_causal_mask(0, prefix, 0, bl), last=1)
+        for c in cache:
+            c.commit(prefix)
+    rest = mx.array(window[prefix:])[None]
+    logits = model(rest, cache, block_causal_mask(prefix, len(window) - prefix, prefix, bl), last=bl)
+    return np.array(logits[0])
+
+
+def compute_dtype(loaded) -> str:
+    return str(loaded.model.model.norm.weight.dtype).replace("mlx.core.", "")
+
+
+# ---------------------------------------------------------------------------
+# Commit streams
+# ---------------------------------------------------------------------------
+
+
+def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
+                    steps: int | None = None) -> dict:
+    args = _args(config)
+    gc = generation_config or {}
+    bl = _block_length(gc)
+    eos = gc.get("eos_token_id")
+    eos = list(args.eos_token_ids) if eos is None else (eos if isinstance(eos, list) else [eos])
+    return dict(
+        block_length=bl,
+        steps=int(steps or gc.get("steps") or 32),
+        threshold=float(gc.get("threshold") or 0.95),
+        max_tokens=int(blocks) * bl,
+        eos_token_id=[int(e) for e in eos],
+        mask_token_id=int(gc.get("mask_token_id", args.mask_token_id)),
+        runs=[{"name": "greedy", "temperature": 0.0, "top_p": None, "seed": None}, dict(SEEDED_RUN)],
+    )
+
+
+def _blocks_of(prompt_len: int, tokens: list[int], settings: dict, traced: list[int]) -> list[list[int]]:
+    """Per traced block, the tokens it contributes to the output (cut at the
+    first EOS, EOS excluded), from the reference's returned ids."""
+    bl, eos = settings["block_length"], set(settings["eos_token_id"])
+    out = []
+    for b in traced:
+        lo, hi = max(b * bl, prompt_len) - prompt_len, (b + 1) * bl - prompt_len
+        part = tokens[lo:hi]
+        cut = next((j for j, t in enumerate(part) if t in eos), None)
+        out.append(part if cut is None else part[:cut])
+        if cut is not None:
+            break
+    return out
+
+
+def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dict) -> CommitStream:
+    import torch
+
+    from dlm.runtime.llada2_generate import UniformStream
+
+    from .llada2_torch import generate
+
+    stream = CommitStream(prompt_ids=list(prompt_ids), blocks=[])
+    finish = []
+    for run in settings["runs"]:
+        recorders: dict[int, TraceRecorder] = {}
+
+        def on_step(b, s, logits):
+            recorders.setdefault(b, TraceRecorder(prompt_ids)).step(logits.float().numpy())
+
+        seed = run.get("seed")
+        out = generate(
+            ref.model, torch.tensor(prompt_ids, dtype=torch.long),
+            temperature=float(run["temperature"]), top_p=run.get("top_p"),
+            block_length=settings["block_length"], steps=settings["steps"],
+            gen_length=settings["max_tokens"], threshold=settings["threshold"],
+            eos_id=settings["eos_token_id"], mask_id=settings["mask_token_id"],
+            hub_sampler=False, uniforms=UniformStream(seed) if seed is not None else None,
+            suppress_mask=True, early_stop=True, on_step=on_step,
+        ).tolist()
+        traced = sorted(recorders)
+        blocks = _blocks_of(len(prompt_ids), out, settings, traced)
+        for b, tokens in zip(traced, blocks):
+            recorders[b].commit(tokens)
+            stream.blocks.append(recorders[b].stream.blocks[-1])
+        hit = any(t in set(settings["eos_token_id"]) for t in out)
+        finish.append(f"{run['name']}:{'stop' if hit else 'length'}")
+    stream.finish_reason = ",".join(finish)
+    return stream
+
+
+def mlx_commit_stream(loaded, prompt_ids: list[int], settings: dict) -> CommitStream:
+    """The runtime's own loop (``dlm.runtime.api.stream_generate``) per run."""
+    import mlx.core as mx
+
+    from dlm.runtime import api
+
+    stream = CommitStream(prompt_ids=list(prompt_ids), blocks=[])
+    finish = []
+    for run in settings["runs"]:
+        recorders: dict[int, TraceRecorder] = {}
+
+        def on_step(b, s, logits):
+            recorders.setdefault(b, TraceRecorder(prompt_ids)).step(np.array(logits.astype(mx.float32)))
+
+        options = {
+            "max_tokens": settings["max_tokens"], "block_length": settings["block_length"],
+            "max_denoising_steps": settings["steps"], "threshold": settings["threshold"],
+            "temp": float(run["temperature"]), "top_p": run.get("top_p"), "seed": run.get("seed"),
+        }
+        committed, reason = [], None
+        for event in api.stream_generate(loaded, prompt_ids, options, on_step=on_step,
+                                         stop_ids=settings["eos_token_id"], stop_on_role_end=False,
+                                         editing_threshold=None):
+            if event.done:
+                reason = event.finish_reason
+            else:
+                committed.append(list(event.token_ids))
+        traced = sorted(recorders)
+        if len(traced) != len(committed):
+            raise DlmError(f"{len(committed)} committed blocks but {len(traced)} traced blocks")
+        for b, tokens in zip(traced, committed):
+            recorders[b].commit(tokens)
+            stream.blocks.append(recorders[b].stream.blocks[-1])
+        finish.append(f"{run['name']}:{reason}")
+    stream.finish_reason = ",".join(finish)
+    return stream
