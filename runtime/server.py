@@ -302,8 +302,9 @@ class _Server:
         self.defaults = {k: v for k, v in defaults.items() if v is not None}
         self.model_id = model_id
         self.max_body_bytes = max_body_bytes
+        text_only = getattr(getattr(loaded, "args", None), "text_only", None)
         self.caps = ModelCaps(family=getattr(getattr(loaded, "family", None), "name", "this"),
-                              text_only=bool(getattr(getattr(loaded, "args", None), "text_only", True)))
+                              text_only=True if text_only is None else bool(text_only))
         self.context = getattr(getattr(loaded, "args", None), "max_position_embeddings", None)
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
         self.worker = GenerationWorker(queue_size=queue_size, after_job=_clear_mlx_cache)
@@ -335,17 +336,6 @@ class _Server:
                                                        chat_template=True, enable_thinking=thinking))
             return list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt, chat_template=False))
 
-    def check_options(self, options: dict) -> None:
-        """Let the family's settings parser refuse inapplicable options now,
-        before the request takes a queue slot."""
-        family = getattr(self.loaded, "family", None)
-        generation = getattr(family, "generation", None)
-        if generation is None:
-            return
-        settings = getattr(generation(), "Settings", None)
-        if settings is not None:
-            settings.from_options(dict(options), self.loaded.args, self.loaded.generation_config)
-
     async def handle(self, request: Request, kind: str) -> _JobResponse:
         received_at = time.perf_counter()
         body = await self.read_json(request)
@@ -353,7 +343,7 @@ class _Server:
         options = {**self.defaults, **req.options}
         try:
             prompt_ids = await run_in_threadpool(self.encode, req)
-            self.check_options(options)
+            check_options(self.loaded, options)
         except DlmError as exc:
             raise bad(str(exc)) from None
         if not prompt_ids:
@@ -374,6 +364,14 @@ class _Server:
         except WorkerStopped as exc:
             raise RequestError(503, str(exc), err_type="server_error") from None
         return _JobResponse(self, job, req, len(prompt_ids), received_at)
+
+
+def check_options(loaded, options: dict) -> None:
+    """Let the family's settings parser refuse inapplicable or bad options
+    (GenerationError naming them) without generating: the server checks each
+    request before it takes a queue slot, and ``serve`` its defaults at startup."""
+    options = {k: v for k, v in options.items() if k not in PROMPT_DEFAULTS}
+    loaded.family.generation().Settings.from_options(options, loaded.args, loaded.generation_config)
 
 
 def _clear_mlx_cache() -> None:

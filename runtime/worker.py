@@ -55,7 +55,7 @@ class Job:
 
     # -- handler side ------------------------------------------------------
     def cancel(self) -> None:
-        if not self._cancel.is_set():
+        if not self._cancel.is_set() and not self.done:
             self.cancelled_at = time.perf_counter()
             self._cancel.set()
 

@@ -1,0 +1,110 @@
+"""``dlm-run serve``: the OpenAI-compatible server on the command line."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+
+import click
+
+from .errors import DlmError
+from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
+
+# The generation flags of `dlm-run generate`, here as server defaults: a
+# request's own fields win.  (Kept in step with cli.py by tests/test_server.py.)
+_GENERATION_OPTIONS = (
+    click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=None,
+                 help="Default output token budget [generation_config max_new_tokens, else 256]."),
+    click.option("--max-denoising-steps", type=click.IntRange(min=1), default=None,
+                 help="Denoising steps per canvas (DiffusionGemma) or per block (LLaDA-2)."),
+    click.option("--diffusion-sampler", type=click.Choice(["entropy-bound", "confidence-threshold"]),
+                 default=None, help="DiffusionGemma per-step acceptance rule [entropy-bound]."),
+    click.option("--diffusion-threshold", type=click.FloatRange(0.0, 1.0), default=None,
+                 help="DiffusionGemma confidence-threshold: top-1 probability to reveal [0.9]."),
+    click.option("--diffusion-min-canvas-length", type=click.IntRange(min=1), default=None,
+                 help="DiffusionGemma smallest canvas [64]."),
+    click.option("--diffusion-max-canvas-length", type=click.IntRange(min=1), default=None,
+                 help="DiffusionGemma largest canvas [the checkpoint's canvas_length]."),
+    click.option("--diffusion-full-canvas", is_flag=True, default=None,
+                 help="DiffusionGemma: always use the full canvas."),
+    click.option("--block-length", type=click.IntRange(min=1), default=None,
+                 help="LLaDA-2 generation block length [32]."),
+    click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=None,
+                 help="LLaDA-2 unmasking confidence threshold [0.95]."),
+    click.option("--seed", type=click.IntRange(min=0), default=None,
+                 help="Default seed for requests that send none."),
+    click.option("--temp", type=click.FloatRange(min=0.0), default=None,
+                 help="Default sampling temperature (requests: 'temperature')."),
+    click.option("--top-k", type=click.IntRange(min=0), default=None, help="Default top-k (LLaDA-2)."),
+    click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None, help="Default top-p (LLaDA-2)."),
+    click.option("--debug-canvas", is_flag=True, default=None,
+                 help="DiffusionGemma fixed canvas pattern + argmax (parity work only)."),
+    click.option("--prefill-step-size", type=click.IntRange(min=1), default=None,
+                 help="Prompt tokens per encoder chunk [2048]."),
+    click.option("--thinking/--no-thinking", default=False, show_default=True,
+                 help="Chat default for the thinking channel (a request may override it with "
+                      "chat_template_kwargs.enable_thinking)."),
+)
+
+
+def _generation_options(func):
+    for option in reversed(_GENERATION_OPTIONS):
+        func = option(func)
+    return func
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command("serve")
+@click.option("--model", "model_path", required=True, help="Converted MLX model directory.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to bind (loopback unless you choose otherwise).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", envvar="DLM_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every request (or set DLM_API_KEY).")
+@click.option("--queue-size", default=DEFAULT_QUEUE_SIZE, show_default=True, type=click.IntRange(min=1),
+              help="Requests that may wait behind the running one; more are answered 429.")
+@click.option("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, show_default=True,
+              type=click.IntRange(min=1024), help="Largest accepted request body (413 beyond).")
+@click.option("--model-id", default=None, help="Model name in /v1/models and responses "
+                                               "[the model directory's name].")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code.")
+@_generation_options
+def serve(model_path, host, port, api_key, queue_size, max_body_bytes, model_id, log_level,
+          trust_remote_code, thinking, **options):
+    """Serve a converted model behind an OpenAI-compatible API.
+
+    Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    GET /health. One worker generates, one request at a time; the others wait
+    in a bounded queue. Generation flags set defaults for requests that do not
+    set them; extra request fields carry the diffusion controls
+    (max_denoising_steps, diffusion_sampler, ..., block_length, threshold)."""
+    import uvicorn
+
+    from . import api
+    from .server import check_options, create_app
+
+    defaults = {k: v for k, v in options.items() if v is not None}
+    try:
+        loaded = api.load(model_path, trust_remote_code=trust_remote_code)
+        check_options(loaded, defaults)  # refuse flags the family does not take, now
+        app = create_app(loaded, {**defaults, "enable_thinking": thinking}, api_key=api_key,
+                         queue_size=queue_size, model_id=model_id, max_body_bytes=max_body_bytes)
+    except DlmError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    if not _is_loopback(host) and api_key is None:
+        click.echo(f"warning: serving on {host} without --api-key: anyone who can reach this port "
+                   "can use the model", err=True)
+    click.echo(f"dlm-run serve: {app.state.server.model_id} at http://{host}:{port}/v1 "
+               f"(queue {queue_size}{', API key required' if api_key else ''})", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
