@@ -84,7 +84,7 @@ from typing import Optional
 
 import numpy as np
 
-TOPK = 8  # candidates kept per position and step in commit-stream traces
+TOPK = 16  # candidates kept per position and step in commit-stream traces
 
 
 @dataclass

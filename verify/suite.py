@@ -125,7 +125,7 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None) -> 
         stream_prompts=stream_idx, original=original,
     )
     if mlx_dir is not None:
-        bundle.matched = _matched_run(Path(mlx_dir), bundle, adapter, None, options)
+        bundle.matched = _matched_run(Path(mlx_dir), bundle, adapter, options)
     return bundle
 
 
@@ -135,13 +135,11 @@ def _sliding_window(config: dict) -> Optional[int]:
     return int(value) if value else None
 
 
-def _matched_run(mlx_dir: Path, bundle: B.Bundle, adapter, compute_dtype: Optional[str],
-                 options: Options) -> B.ReferenceRun:
-    """The reference with the converted model's own (dequantized) weights,
-    computing in the converted model's dtype (implementation parity)."""
+def _matched_run(mlx_dir: Path, bundle: B.Bundle, adapter, options: Options) -> B.ReferenceRun:
+    """The reference with exactly the converted model's (dequantized) weights,
+    in float32: what is left against MLX is its compute precision, and bugs."""
     config = _read_json(mlx_dir / "config.json")
-    prec = W.precision(mlx_dir, config)
-    dtype = compute_dtype or prec.compute_dtype
+    dtype = "float32"
     weights = adapter.hf_weights_from_mlx(W.dequantized_weights(mlx_dir, config), config)
     ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
                                  trust_remote_code=options.trust_remote_code)
@@ -229,7 +227,7 @@ def run_parity(mlx_dir, options: Options) -> Report:
             except ImportError:
                 matched_note = "needs torch (or a bundle recorded with --mlx for these weights)"
             else:
-                matched = _matched_run(mlx_dir, bundle, adapter, compute, options)
+                matched = _matched_run(mlx_dir, bundle, adapter, options)
                 matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
     else:
         matched_note = "disabled (--no-implementation)"
