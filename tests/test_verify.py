@@ -1,0 +1,175 @@
+"""dlm-verify --parity end to end on tiny conversions: correct float32, bf16 and
+4-bit conversions pass; the recorded-bundle path agrees with the live path;
+CLI, report and model card."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dlm.verify import bundle as B  # noqa: E402
+from dlm.verify.suite import Options, record, run_parity  # noqa: E402
+
+# Drift thresholds are meant for real checkpoints; a random tiny model is
+# chaotic (near-uniform logits, routing flips), so they are informational here.
+TINY_DRIFT = {"drift": {"kl_mean": None, "top1": None, "commit_match": None, "steps_ratio": None}}
+FAST = dict(canvases=2, steps=8, stream_prompts=1, progress=False)
+
+
+def convert(src: Path, out: Path, **kw) -> Path:
+    from dlm.convert.pipeline import ConvertOptions, convert as run
+
+    run(ConvertOptions(source=str(src), output=str(out), progress=False, **kw), echo=lambda s: None)
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def conversions(tiny_dg_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify_conversions")
+    return {
+        "f32": convert(tiny_dg_dir, root / "f32"),
+        "bf16": convert(tiny_dg_dir, root / "bf16", dtype="bfloat16"),
+        "q4": convert(tiny_dg_dir, root / "q4", quantize=True, q_bits=4, q_group_size=32),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_bundle(tiny_dg_dir, tmp_path_factory):
+    """The tiny reference recorded once (built-in prompts incl. the long one)."""
+    data = record(str(tiny_dg_dir), Options(reference=str(tiny_dg_dir), **FAST))
+    return B.save(data, tmp_path_factory.mktemp("verify_bundle") / "bundle")
+
+
+def opts(**kw) -> Options:
+    return Options(**{**FAST, "thresholds": TINY_DRIFT, **kw})
+
+
+def statuses(report) -> dict:
+    return {c.name: c.status for c in report.checks}
+
+
+def test_float32_conversion_passes_live(conversions):
+    # Default reference: the source the converter recorded in config.json.
+    report = run_parity(conversions["f32"], opts())
+    assert report.passed, report.table()
+    assert statuses(report) == {"logits": "pass", "implementation": "pass", "drift": "skip",
+                                "commit_stream": "pass"}
+    logits = report.check("logits").metrics
+    assert logits["max_abs"] < 1e-4 and logits["top1"] == 1.0 and logits["kl_mean"] < 1e-9
+    assert logits["cases"] == report.cases >= 16
+    case_names = set(report.check("logits").details["cases"])
+    assert {"p0.arange", "p0.arange.sc", "p0.debug", "p0.debug.sc", "p0.next"} <= case_names
+    stream = report.check("commit_stream")
+    assert stream.metrics["identical_fraction"] == 1.0 and stream.metrics["tokens"] == 2 * 8
+
+
+def test_bf16_conversion_passes(conversions, reference_bundle):
+    report = run_parity(conversions["bf16"], opts(bundle=str(reference_bundle)))
+    assert report.passed, report.table()
+    assert report.precision["compute_dtype"] == "bfloat16"
+    impl = report.check("implementation")
+    # bf16 rounding: clearly not float32-exact, yet within the half-precision bounds.
+    assert 1e-4 < impl.metrics["mean_abs"] < 0.1 and impl.precision_class == "half"
+
+
+def test_q4_conversion_passes_with_tight_implementation_parity(conversions, reference_bundle):
+    report = run_parity(conversions["q4"], opts(bundle=str(reference_bundle)))
+    assert report.passed, report.table()
+    assert report.precision["bits"] == 4 and report.precision["compute_dtype"] == "float32"
+    impl = report.check("implementation").metrics
+    assert impl["max_abs"] < 1e-4 and impl["top1"] == 1.0  # same weights: float32-exact
+    logits = report.check("logits").metrics
+    assert logits["mean_abs"] > 1e-3  # quantization error is there and measured
+    drift = report.check("drift")
+    assert drift.status == "pass" and drift.metrics["mlx_steps_per_canvas"] > 0
+    assert 0.0 <= drift.metrics["commit_match"] <= 1.0
+    assert report.check("commit_stream").metrics["identical_fraction"] == 1.0
+
+
+def test_q4_drift_is_gated_with_default_thresholds(conversions, reference_bundle):
+    # The real-checkpoint drift bounds flag the chaotic tiny model: the gate works.
+    report = run_parity(conversions["q4"], Options(**{**FAST, "bundle": str(reference_bundle)}))
+    assert statuses(report)["drift"] == "fail"
+    assert any("commit_match" in f or "top1" in f for f in report.check("drift").failures)
+
+
+def test_bundle_verdict_matches_live(conversions, tiny_dg_dir, reference_bundle):
+    live = run_parity(conversions["q4"], opts(reference=str(tiny_dg_dir)))
+    recorded = run_parity(conversions["q4"], opts(bundle=str(reference_bundle)))
+    assert statuses(live) == statuses(recorded)
+    assert live.passed == recorded.passed
+    for name in ("logits", "implementation", "drift"):
+        a, b = live.check(name).metrics, recorded.check(name).metrics
+        for key in ("max_abs", "top1", "kl_mean", "commit_match"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (name, key)
+
+
+def test_bundle_roundtrip_and_matched_section(conversions, tiny_dg_dir, tmp_path):
+    data = record(str(tiny_dg_dir), Options(reference=str(tiny_dg_dir), long_prompt=False, **FAST),
+                  mlx_dir=conversions["q4"])
+    out = B.save(data, tmp_path / "b")
+    loaded = B.load(out)
+    assert [c.name for c in loaded.cases] == [c.name for c in data.cases]
+    for name, value in data.original.logits.items():
+        np.testing.assert_array_equal(loaded.original.logits[name], value)
+    for case, again in zip(data.cases, loaded.cases):
+        assert case.prompt_ids == again.prompt_ids
+        for key in case.arrays:
+            np.testing.assert_array_equal(case.arrays[key], again.arrays[key])
+    s0, s1 = data.original.streams[0], loaded.original.streams[0]
+    assert s0.tokens == s1.tokens and s0.steps_per_block == s1.steps_per_block
+    np.testing.assert_array_equal(s0.blocks[0].topk_logits, s1.blocks[0].topk_logits)
+    assert loaded.matched is not None and loaded.matched.meta["fingerprint"]
+    # The matched section is used (no live torch reference needed) for these exact weights.
+    report = run_parity(conversions["q4"], opts(bundle=str(out)))
+    assert "recorded in the bundle" in report.check("implementation").note
+    assert report.passed, report.table()
+
+
+def test_cli_report_and_model_card(conversions, reference_bundle, tmp_path):
+    from click.testing import CliRunner
+
+    from dlm.verify.cli import main
+
+    model = tmp_path / "model"
+    import shutil
+
+    shutil.copytree(conversions["f32"], model)
+    thresholds = tmp_path / "thr.json"
+    thresholds.write_text(json.dumps(TINY_DRIFT))
+    report_path = tmp_path / "out" / "report.json"
+    result = CliRunner().invoke(main, [
+        "--parity", str(model), "--bundle", str(reference_bundle), "--report", str(report_path),
+        "--update-card", "--thresholds", str(thresholds), "--steps", "8", "--stream-prompts", "1", "-q",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "RESULT: PASS" in result.output and "implementation" in result.output
+    data = json.loads(report_path.read_text())
+    assert data["passed"] is True
+    assert set(data["checks"]) == {"logits", "implementation", "drift", "commit_stream"}
+    for check in data["checks"].values():
+        assert {"metrics", "thresholds", "status", "passed"} <= set(check)
+    assert data["checks"]["logits"]["thresholds"]["max_abs"] == ["<=", 1e-3]
+    card = (model / "README.md").read_text()
+    assert "<!-- dlm-verify:begin -->" in card and "dlm-verify passed" in card
+    assert "Not verified yet" not in card and "Implementation parity" in card
+    # Rerun replaces the section instead of appending a second one.
+    again = CliRunner().invoke(main, [str(model), "--bundle", str(reference_bundle), "--update-card",
+                                      "--thresholds", str(thresholds), "--steps", "8",
+                                      "--stream-prompts", "1", "-q"])
+    assert again.exit_code == 0, again.output
+    assert (model / "README.md").read_text().count("<!-- dlm-verify:begin -->") == 1
