@@ -50,12 +50,14 @@ class ChannelParser:
         self.answer: list[int] = []
         self.segments: list[list[int]] = []  # reasoning, one list per channel
         self.in_channel = False
-        # A prompt that ends inside an open channel starts the output in it.
-        for t in reversed(prompt_ids or []):
-            if t in (self.open_id, self.close_id) and t is not None:
-                self.in_channel = t == self.open_id
+        # A prompt that ends inside an open channel starts the output in it (the
+        # channel's tokens already in the prompt complete its name line).
+        prompt_ids = list(prompt_ids or [])
+        for i in range(len(prompt_ids) - 1, -1, -1):
+            if prompt_ids[i] in (self.open_id, self.close_id):
+                self.in_channel = prompt_ids[i] == self.open_id
                 if self.in_channel:
-                    self.segments.append([])
+                    self.segments.append(prompt_ids[i + 1 :])
                 break
         self._text, self._reasoning = _Stream(), _Stream()
 

@@ -18,3 +18,19 @@ def tiny_dg_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_dg")
     build_diffusion_gemma(out, form="hub")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dg_mlx_dir(tiny_dg_dir, tmp_path_factory):
+    """``tiny_dg_dir`` converted by dlm-convert (float32, text-only layout)."""
+    from runtime_helpers import convert_dir
+
+    return convert_dir(tiny_dg_dir, tmp_path_factory.mktemp("tiny_dg_mlx") / "f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_dg_torch(tiny_dg_dir):
+    """``tiny_dg_dir`` loaded by transformers (float32, eval): the reference."""
+    from runtime_helpers import load_hf
+
+    return load_hf(tiny_dg_dir)

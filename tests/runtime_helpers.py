@@ -1,12 +1,6 @@
-"""Helpers for the runtime tests: turn a tiny HF DiffusionGemma checkpoint into an
-MLX directory (the converter's layout) and run the transformers reference.
-
-``mlx_dir_from_hf`` is a minimal stand-in for dlm-convert built on the family's
-own weight plan (plan_weights + output_config), so the runtime tests do not
-depend on the converter; quantization uses nn.quantize with the family's
-quant_class recipe (high = 8-bit, low = ``bits``) and writes per-module
-overrides like mlx-vlm / dlm-convert do.
-"""
+"""Helpers for the runtime tests (not a test module): convert tiny checkpoints
+with dlm-convert, make dequantized float twins of quantized MLX directories,
+and run the transformers reference."""
 
 from __future__ import annotations
 
@@ -15,68 +9,15 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
-
-from dlm.runtime.models import diffusion_gemma as dg
-
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-              "special_tokens_map.json", "generation_config.json")
 
 
-def mlx_dir_from_hf(hf_dir, out_dir, *, dtype: str | None = None, bits: int | None = None,
-                    mode: str = "affine", group_size: int | None = None, mixed: bool = True) -> Path:
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = json.loads((hf_dir / "config.json").read_text())
-    args = dg.ModelArgs.from_config(config)
-    source = mx.load(str(hf_dir / "model.safetensors"))
-    meta = {k: (tuple(v.shape), str(v.dtype)) for k, v in source.items()}
-    weights = {}
-    for plan in dg.plan_weights(args, meta, text_only=True):
-        arrays = [source[s] for s in plan.sources]
-        weights[plan.name] = arrays[0] if plan.combine is None else plan.combine(arrays)
-    if dtype is not None:
-        target = getattr(mx, dtype)
-        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
-                   for k, v in weights.items()}
-    out_config = dg.output_config(config, text_only=True)
-    if bits is not None:
-        model = dg.Model(args)
-        model.load_weights(list(weights.items()))
-        q = {"group_size": group_size, "bits": bits, "mode": mode}
-        q = {k: v for k, v in q.items() if v is not None}
+def convert_dir(src, out, **options) -> Path:
+    """dlm-convert ``src`` into ``out`` (ConvertOptions keywords: dtype, quantize, q_bits, q_mode, recipe)."""
+    from dlm.convert.pipeline import ConvertOptions, convert
 
-        def predicate(path, module):
-            if not hasattr(module, "to_quantized"):
-                return False
-            kind = dg.quant_class(path)
-            if kind is None:
-                return False
-            if kind == "high" and mixed:
-                q[path] = {"group_size": 64 if _divides(module, 64) else 32, "bits": 8, "mode": "affine"}
-                return dict(q[path])
-            return True
-
-        nn.quantize(model, group_size=group_size, bits=bits, mode=mode, class_predicate=predicate)
-        weights = dict(tree_flatten(model.parameters()))
-        out_config["quantization"] = q
-        out_config["quantization_config"] = dict(q)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-    index = {"metadata": {"total_size": int(sum(v.nbytes for v in weights.values()))},
-             "weight_map": {k: "model.safetensors" for k in sorted(weights)}}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out_dir / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True))
-    for name in SIDE_FILES:
-        if (hf_dir / name).exists():
-            shutil.copy2(hf_dir / name, out_dir / name)
-    return out_dir
-
-
-def _divides(module, group: int) -> bool:
-    w = module["weight"]
-    return w.shape[-1] % group == 0
+    convert(ConvertOptions(source=str(src), output=str(out), progress=False, **options), echo=lambda _: None)
+    return Path(out)
 
 
 def dequantized_twin(src_dir, out_dir) -> Path:

@@ -1,0 +1,136 @@
+"""DiffusionGemma MLX forward passes against transformers 5.24 (the reference).
+
+float32 logits must agree within 1e-4 (max abs) for: prefill then a decoder
+step, with and without self-conditioning, a prompt longer than the sliding
+window, and the second canvas after a commit. bfloat16 must run on the CPU
+backend (float32 expert fallback) and stay within bf16 noise of transformers'
+bf16 model; quantized models must agree with their dequantized float twins.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from runtime_helpers import convert_dir, dequantized_twin, hf_logits, load_hf
+
+from dlm.runtime import api
+
+SHORT = list(range(2, 14))  # 12 tokens < sliding window 16
+LONG = [2] + [(7 * i + 3) % 500 + 5 for i in range(39)]  # 40 tokens > window 16
+CANVAS = [5, 9, 33, 400, 7, 8, 100, 3]
+CANVAS2 = [11, 12, 13, 140, 15, 16, 17, 511]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dg_mlx_dir):
+    return api.load(tiny_dg_mlx_dir)
+
+
+def mlx_logits(loaded, prompt, canvases, sc=None, chunk=2048):
+    model = loaded.model
+    cache = model.make_cache()
+    model.prefill(prompt, cache, chunk)
+    for c in canvases[:-1]:
+        model.encode(c, cache)
+    out = model.decode(canvases[-1], cache, None if sc is None else mx.array(sc))
+    assert out.dtype == mx.float32
+    return np.array(out)[0]
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "longer-than-window"])
+def test_prefill_then_decoder_step(loaded, tiny_dg_torch, prompt):
+    ref = hf_logits(tiny_dg_torch, prompt, [CANVAS])
+    got = mlx_logits(loaded, prompt, [CANVAS])
+    assert got.shape == ref.shape == (len(CANVAS), 512)
+    assert np.abs(got - ref).max() < TOL
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "longer-than-window"])
+def test_decoder_step_with_self_conditioning(loaded, tiny_dg_torch, prompt):
+    # Self-conditioning input = a previous step's processed logits (T = 0.6).
+    sc = (hf_logits(tiny_dg_torch, prompt, [CANVAS2]) / np.float32(0.6)).astype(np.float32)
+    ref = hf_logits(tiny_dg_torch, prompt, [CANVAS], sc)
+    got = mlx_logits(loaded, prompt, [CANVAS], sc)
+    assert np.abs(got - ref).max() < TOL
+    # and self-conditioning really changes the output
+    assert np.abs(ref - hf_logits(tiny_dg_torch, prompt, [CANVAS])).max() > 1e-2
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "longer-than-window"])
+def test_second_canvas_after_commit(loaded, tiny_dg_torch, prompt):
+    ref = hf_logits(tiny_dg_torch, prompt, [CANVAS, CANVAS2])
+    got = mlx_logits(loaded, prompt, [CANVAS, CANVAS2])
+    assert np.abs(got - ref).max() < TOL
+
+
+def test_chunked_prefill_is_exact(loaded, tiny_dg_torch):
+    # Chunks smaller than the window and not aligned with it.
+    ref = hf_logits(tiny_dg_torch, LONG, [CANVAS, CANVAS2])
+    got = mlx_logits(loaded, LONG, [CANVAS, CANVAS2], chunk=7)
+    assert np.abs(got - ref).max() < TOL
+
+
+def test_sliding_cache_keeps_window_minus_one(loaded):
+    cache = loaded.model.make_cache()
+    loaded.model.prefill(LONG, cache)
+    window = loaded.args.sliding_window
+    for kind, c in zip(loaded.args.layer_types, cache):
+        assert c.offset == len(LONG)
+        assert c.length == (window - 1 if kind == "sliding_attention" else len(LONG))
+
+
+def test_resaved_config_form(tiny_dg_torch, tmp_path):
+    """A checkpoint written by save_pretrained (per_layer_config) loads and matches."""
+    from tiny_checkpoints import build_diffusion_gemma
+
+    src = tmp_path / "resaved"
+    build_diffusion_gemma(src, form="resaved")
+    assert "per_layer_config" in json.loads((src / "config.json").read_text())["text_config"]
+    model = api.load(convert_dir(src, tmp_path / "mlx"))
+    ref = hf_logits(load_hf(src), SHORT, [CANVAS])
+    assert np.abs(mlx_logits(model, SHORT, [CANVAS]) - ref).max() < TOL
+
+
+def test_hf_directory_loads_as_is(tiny_dg_dir, tiny_dg_torch):
+    """sanitize maps HF names (fused experts without .weight, lm_head, encoder copies, vision)."""
+    model = api.load(tiny_dg_dir)
+    ref = hf_logits(tiny_dg_torch, SHORT, [CANVAS])
+    assert np.abs(mlx_logits(model, SHORT, [CANVAS]) - ref).max() < TOL
+
+
+def test_bfloat16_runs_on_cpu_within_bf16_noise(tiny_dg_dir, tiny_dg_torch, tmp_path):
+    bf16 = api.load(convert_dir(tiny_dg_dir, tmp_path / "bf16", dtype="bfloat16"))
+    assert bf16.model.dtype == mx.bfloat16
+    got = mlx_logits(bf16, LONG, [CANVAS, CANVAS2])
+    ref_bf16 = hf_logits(load_hf(tiny_dg_dir, "bfloat16"), LONG, [CANVAS, CANVAS2])
+    ref_f32 = hf_logits(tiny_dg_torch, LONG, [CANVAS, CANVAS2])
+    noise = np.abs(ref_bf16 - ref_f32).max()  # what bf16 rounding alone does
+    assert 0 < np.abs(got - ref_bf16).max() <= 3 * noise
+    assert (got.argmax(-1) == ref_bf16.argmax(-1)).mean() >= 0.75
+
+
+QUANT = {
+    "affine4-mixed": dict(quantize=True, q_bits=4),
+    "affine8": dict(quantize=True, q_bits=8, recipe="uniform"),
+    "mxfp4": dict(quantize=True, q_mode="mxfp4"),
+    "nvfp4": dict(quantize=True, q_mode="nvfp4"),
+}
+
+
+@pytest.mark.parametrize("name", list(QUANT))
+def test_quantized_agrees_with_dequantized_twin(tiny_dg_dir, tmp_path, name):
+    qdir = convert_dir(tiny_dg_dir, tmp_path / name, **QUANT[name])
+    quant = api.load(qdir)
+    kinds = {type(m).__name__ for _, m in quant.model.named_modules()}
+    assert {"QuantizedLinear", "QuantizedSwitchLinear", "QuantizedEmbedding"} <= kinds
+    twin = api.load(dequantized_twin(qdir, tmp_path / f"{name}-twin"))
+    assert "QuantizedLinear" not in {type(m).__name__ for _, m in twin.model.named_modules()}
+    sc = np.random.default_rng(0).normal(size=(len(CANVAS), 512)).astype(np.float32) * 3
+    for canvases, s in (([CANVAS], None), ([CANVAS, CANVAS2], sc)):
+        a = mlx_logits(quant, LONG, canvases, s)
+        b = mlx_logits(twin, LONG, canvases, s)
+        assert np.abs(a - b).max() < 1e-4
