@@ -12,20 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from verify_helpers import FAST, TINY_DRIFT, convert, record_bundle  # noqa: E402
+
 from dlm.verify import bundle as B  # noqa: E402
 from dlm.verify.suite import Options, record, run_parity  # noqa: E402
-
-# Drift thresholds are meant for real checkpoints; a random tiny model is
-# chaotic (near-uniform logits, routing flips), so they are informational here.
-TINY_DRIFT = {"drift": {"kl_mean": None, "top1": None, "commit_match": None, "steps_ratio": None}}
-FAST = dict(canvases=2, steps=8, stream_prompts=1, progress=False)
-
-
-def convert(src: Path, out: Path, **kw) -> Path:
-    from dlm.convert.pipeline import ConvertOptions, convert as run
-
-    run(ConvertOptions(source=str(src), output=str(out), progress=False, **kw), echo=lambda s: None)
-    return out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,8 +39,7 @@ def conversions(tiny_dg_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_bundle(tiny_dg_dir, tmp_path_factory):
     """The tiny reference recorded once (built-in prompts incl. the long one)."""
-    data = record(str(tiny_dg_dir), Options(reference=str(tiny_dg_dir), **FAST))
-    return B.save(data, tmp_path_factory.mktemp("verify_bundle") / "bundle")
+    return record_bundle(tiny_dg_dir, tmp_path_factory.mktemp("verify_bundle") / "bundle")
 
 
 def opts(**kw) -> Options:
