@@ -86,6 +86,22 @@ def _profile_lines(stats) -> list[str]:
               help="Denoiser sampling temperature on top of the checkpoint schedule [1.0; 0 = argmax].")
 @click.option("--top-k", type=click.IntRange(min=0), default=None, help="Not used by DiffusionGemma.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None, help="Not used by DiffusionGemma.")
+@click.option("--block-length", type=click.IntRange(min=1), default=None,
+              help="LLaDA-2: tokens per generation block [32].")
+@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=None,
+              help="LLaDA-2: reveal every masked position whose confidence exceeds this [0.95].")
+@click.option("--threshold-schedule", default=None, metavar="constant|linear[:FLOOR]",
+              help="LLaDA-2: constant threshold, or a linear decay to FLOOR over a block's steps "
+                   "[constant; linear alone decays to 0.5].")
+@click.option("--editing-threshold", type=click.FloatRange(0.0, 1.0), default=None,
+              help="LLaDA-2.1 token-to-token editing: rewrite a generated token when the new one's "
+                   "confidence exceeds this [0.9 on LLaDA2.1 checkpoints, off otherwise; 1.0: off].")
+@click.option("--max-post-steps", type=click.IntRange(min=0), default=None,
+              help="LLaDA-2.1: most editing passes after a block's last mask is filled [16].")
+@click.option("--reference-sampling", is_flag=True, default=None,
+              help="LLaDA-2: the hub 2.0 sampler, which samples even at --temp 0 (parity work).")
+@click.option("--draft-model", default=None,
+              help="Speculative draft model (refused: diffusion models unmask blocks natively).")
 @click.option("--debug-canvas", is_flag=True, default=None,
               help="Fixed canvas pattern + argmax sampling (parity with the reference; also DLM_DEBUG_CANVAS=1).")
 @click.option("--prefill-step-size", type=click.IntRange(min=1), default=None,

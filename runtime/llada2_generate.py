@@ -48,6 +48,7 @@ THRESHOLD = 0.95
 LINEAR_FLOOR = 0.5  # --threshold-schedule linear without an explicit floor
 EDITING_THRESHOLD_21 = 0.9  # the LLaDA2.1 hub generate() default
 MAX_POST_STEPS = 16
+PREFILL_STEP = 2048
 ROLE_END = "<|role_end|>"
 
 # Options of other families (or of nothing dlm runs): refused by name.
@@ -57,6 +58,7 @@ FOREIGN = {
     "diffusion_min_canvas_length": "--diffusion-min-canvas-length",
     "diffusion_max_canvas_length": "--diffusion-max-canvas-length",
     "diffusion_full_canvas": "--diffusion-full-canvas",
+    "debug_canvas": "--debug-canvas",
     "draft_model": "--draft-model",
     "num_draft_tokens": "--num-draft-tokens",
     "image": "--image", "images": "--image",
@@ -71,7 +73,7 @@ _WHY = {
 OWN = {
     "max_tokens", "temp", "temperature", "top_k", "top_p", "seed", "max_denoising_steps",
     "block_length", "threshold", "threshold_schedule", "editing_threshold", "max_post_steps",
-    "reference_sampling",
+    "reference_sampling", "prefill_step_size",
 }
 # Prompt/output options handled before generation (CLI, API, server).
 NEUTRAL = {"enable_thinking", "stop", "system", "chat_template", "profile", "json", "verbose", "stream"}
@@ -113,6 +115,7 @@ class Settings:
     # None: no editing; "auto": LLaDA2.1 checkpoints edit at 0.9, others do not.
     editing_threshold: Optional[float] | str = "auto"
     max_post_steps: int = MAX_POST_STEPS
+    prefill_step_size: int = PREFILL_STEP  # prompt tokens per prefill forward (rounded to blocks)
     # Internal switches (parity suite and tests; not CLI flags).
     kv_cache: bool = True
     suppress_mask: bool = True  # never sample the mask token (the hub does not exclude it)
@@ -148,7 +151,7 @@ class Settings:
         s = cls(
             mask_token_id=int(gc.get("mask_token_id", args.mask_token_id)),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            max_tokens=int(pick("max_tokens", default=256)),
+            max_tokens=int(pick("max_tokens", "max_new_tokens", default=256)),
             block_length=int(pick("block_length", default=BLOCK_LENGTH)),
             steps=int(pick("max_denoising_steps", "steps", default=STEPS)),
             threshold=float(pick("threshold", default=THRESHOLD)),
@@ -158,6 +161,7 @@ class Settings:
             seed=options.get("seed"),
             reference_sampling=bool(options.get("reference_sampling") or False),
             max_post_steps=int(pick("max_post_steps", default=MAX_POST_STEPS)),
+            prefill_step_size=int(pick("prefill_step_size", default=PREFILL_STEP)),
         )
         if options.get("editing_threshold") is not None:
             s.editing_threshold = float(options["editing_threshold"])
@@ -185,6 +189,8 @@ class Settings:
             bad(f"--top-p must be in (0, 1], got {self.top_p}")
         if isinstance(self.editing_threshold, float) and not 0.0 <= self.editing_threshold <= 1.0:
             bad(f"--editing-threshold must be in [0, 1], got {self.editing_threshold}")
+        if self.prefill_step_size < 1:
+            bad(f"--prefill-step-size must be >= 1, got {self.prefill_step_size}")
         if self.max_post_steps < 0:
             bad(f"--max-post-steps must be >= 0, got {self.max_post_steps}")
 
@@ -378,12 +384,18 @@ class _BlockLoop:
     # -- model calls -------------------------------------------------------
 
     def _prefill(self, upto: int) -> None:
-        if upto and self.cache is not None:
-            ids = mx.array(self.prompt[:upto], dtype=mx.int32)[None]
-            logits = self.model(ids, self.cache, block_causal_mask(0, upto, 0, self.bl), last=1)
-            mx.eval(logits, [c.keys for c in self.cache])
+        """The prompt's full blocks into the cache, a whole number of blocks per forward."""
+        if self.cache is None:
+            return
+        bl = self.bl
+        chunk = max(bl, self.s.prefill_step_size // bl * bl)
+        for a in range(0, upto, chunk):
+            b = min(upto, a + chunk)
+            ids = mx.array(self.prompt[a:b], dtype=mx.int32)[None]
+            logits = self.model(ids, self.cache, block_causal_mask(a, b - a, a, bl), last=1)
+            mx.eval(logits, [(c.keys, c.values) for c in self.cache])
             for c in self.cache:
-                c.commit(upto)
+                c.commit(b - a)
 
     def _forward(self, start: int, block):
         """Raw float32 logits [bl, V] of the active block at [start, start + bl)."""

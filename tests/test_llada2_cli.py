@@ -1,0 +1,80 @@
+"""dlm-run generate on a converted tiny LLaDA-2 model."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import tiny_llada2 as T
+from dlm.convert.pipeline import ConvertOptions, convert
+from dlm.runtime.cli import main
+from dlm.verify import llada2_torch as R
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("l2cli")
+    ref = T.build_llada2(root / "hf", "base")
+    convert(ConvertOptions(source=str(root / "hf"), output=str(root / "mlx"), progress=False),
+            echo=lambda s: None)
+    return root / "mlx", ref
+
+
+def invoke(model, *args):
+    return CliRunner().invoke(main, ["generate", "--model", str(model), *args])
+
+
+def test_generate_json_matches_reference(converted):
+    model, ref = converted
+    ids = [5, 9, 14, 20, 33, 41, 7]
+    r = invoke(model, "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "30", "--block-length", "8",
+               "--max-denoising-steps", "4", "--threshold", "0.9", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    want = R.generate(ref, torch.tensor(ids), block_length=8, steps=4, gen_length=30, threshold=0.9,
+                      eos_id=[T.EOS_ID, T.ROLE_END_ID], mask_id=T.MASK_ID, hub_sampler=False,
+                      suppress_mask=True).tolist()
+    assert out["token_ids"] == [t for t in want if t not in (T.EOS_ID, T.ROLE_END_ID)]
+    assert all(n <= 4 for n in out["steps_per_canvas"])
+    stats = out["stats"]
+    assert stats["forwards"] == sum(out["steps_per_canvas"])
+    assert stats["tokens_per_forward"] == pytest.approx(len(out["token_ids"]) / stats["forwards"])
+
+
+def test_generate_llada_flags_and_profile(converted):
+    model, _ = converted
+    r = invoke(model, "--prompt", "Hello", "--max-tokens", "12", "--threshold-schedule", "linear:0.5",
+               "--temp", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3", "--profile")
+    assert r.exit_code == 0, r.output
+    assert "Tokens per forward:" in r.output
+    again = invoke(model, "--prompt", "Hello", "--max-tokens", "12", "--threshold-schedule", "linear:0.5",
+                   "--temp", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3")
+    assert again.exit_code == 0
+    first_line = [ln for ln in r.output.splitlines() if not ln.startswith(("Prompt:", "Generation:", "Canvases:", "Tokens per", "Peak"))]
+    assert again.output.strip() in "\n".join(first_line)  # same seed, same text
+    edit = invoke(model, "--prompt", "Hi", "--max-tokens", "8", "--editing-threshold", "0.5",
+                  "--max-post-steps", "2", "--reference-sampling", "--seed", "0")
+    assert edit.exit_code == 0, edit.output
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--draft-model", "some/model"], "--draft-model does not apply to LLaDA-2"),
+        (["--diffusion-sampler", "entropy-bound"], "--diffusion-sampler does not apply to LLaDA-2"),
+        (["--diffusion-threshold", "0.5"], "--diffusion-threshold"),
+        (["--debug-canvas"], "--debug-canvas"),
+        (["--image", "x.png"], "image input is not supported"),
+        (["--audio", "x.wav"], "audio input is not supported"),
+        (["--threshold-schedule", "cosine"], "--threshold-schedule"),
+    ],
+)
+def test_generate_errors(converted, flags, message):
+    model, _ = converted
+    r = invoke(model, "--prompt", "Hi", "--max-tokens", "4", *flags)
+    assert r.exit_code == 1
+    assert f"error: " in r.output and message in r.output
+    assert "Traceback" not in r.output
