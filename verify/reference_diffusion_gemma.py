@@ -443,6 +443,7 @@ def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dic
     canvases: dict[int, TraceRecorder] = {}
     streamer = _CanvasStreamer()
     real_forward = model.forward
+    shadowed = model.__dict__.get("forward")  # an instance-level wrapper to restore
 
     def forward(*args, **kwargs):
         out = real_forward(*args, **kwargs)
@@ -458,7 +459,10 @@ def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dic
             model.generate(torch.tensor([prompt_ids], dtype=torch.long), generation_config=gen,
                            streamer=streamer)
     finally:
-        del model.forward
+        if shadowed is not None:
+            model.forward = shadowed
+        else:
+            del model.forward
     committed = streamer.puts[1:]  # the first put is the prompt
     return assemble_stream(prompt_ids, [canvases[k] for k in sorted(canvases)], committed,
                            settings["eos_token_id"])

@@ -1,0 +1,252 @@
+"""dlm-verify pieces: the debug-canvas harness around transformers' generate,
+self-conditioning inputs, metrics, divergence reports, thresholds,
+dequantization, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from verify_helpers import convert  # noqa: E402
+
+from dlm.runtime.errors import ConfigError, DlmError  # noqa: E402
+from dlm.verify import metrics as M  # noqa: E402
+from dlm.verify import reference_diffusion_gemma as R  # noqa: E402
+from dlm.verify import thresholds as T  # noqa: E402
+from dlm.verify.protocol import BlockTrace, CommitStream, TraceRecorder, check_adapter  # noqa: E402
+
+PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_dg_dir):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield R.load_reference(tiny_dg_dir)
+    torch.set_num_threads(n)
+
+
+# -- the debug canvas around transformers' own generate -----------------------
+
+
+def test_debug_canvas_replaces_every_draw_in_order(ref):
+    """Canvas init is pattern 0, step k's renoise is pattern k (§4.7 order), the
+    sample is the argmax; the global torch seed no longer matters."""
+    settings = R.stream_settings(ref.config, ref.generation_config, blocks=1, steps=3)
+    L, V = R._canvas_length(ref.config), R._vocab(ref.config)
+    canvases, argmaxes = [], []
+    real = ref.model.forward
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        canvases.append(kwargs["decoder_input_ids"][0].tolist())
+        argmaxes.append(out.logits[0].argmax(-1).tolist())
+        return out
+
+    ref.model.forward = spy
+    try:
+        torch.manual_seed(1)
+        a = R.reference_commit_stream(ref, PROMPT, settings)
+    finally:
+        del ref.model.forward
+    torch.manual_seed(2)
+    b = R.reference_commit_stream(ref, PROMPT, settings)
+    assert a.tokens == b.tokens and a.steps_per_block == b.steps_per_block == [3]
+    assert canvases[0] == R.debug_pattern(0, L, V).tolist()
+    # Step 2's canvas: accepted positions hold step 1's argmax, the rest pattern 1.
+    pattern1 = R.debug_pattern(1, L, V).tolist()
+    kept = [i for i in range(L) if canvases[1][i] != pattern1[i]]
+    assert kept and all(canvases[1][i] == argmaxes[0][i] for i in kept)
+    assert len(kept) < L  # the random tiny model accepts few tokens per step
+    # The commit is the last step's argmax, and the trace recorded it.
+    assert a.blocks[0].tokens == argmaxes[-1]
+    np.testing.assert_array_equal(a.blocks[0].step_argmax[-1], argmaxes[-1])
+    assert torch.randint(0, 5, (3,)).shape == (3,)  # the patch is gone
+
+
+def test_self_conditioning_inputs_keep_top_probabilities():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
+    arrays = R.sc_inputs(logits, temperature=0.8, k=16)
+    dense = R.dense_sc(arrays, 300)
+    x = logits.astype(np.float64) / 0.8
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    q = np.exp(dense - dense.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    ids = arrays["sc_ids"]
+    np.testing.assert_allclose(np.take_along_axis(q, ids, -1), np.take_along_axis(p, ids, -1), rtol=1e-5)
+
+
+def test_adapter_is_found_through_the_registry():
+    from dlm.runtime.registry import family_for_config
+
+    family = family_for_config({"model_type": "diffusion_gemma"})
+    assert family.reference() is R
+    check_adapter(R)
+
+
+# -- metrics and divergence ----------------------------------------------------
+
+
+def test_logits_metrics_numbers():
+    ref = np.array([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]], np.float32)
+    same = M.logits_metrics(ref, ref.copy())
+    assert same["max_abs"] == 0 and same["top1"] == 1 and same["kl_mean"] == pytest.approx(0, abs=1e-12)
+    mlx = np.array([[0.0, 2.05, 2.0], [3.0, 0.0, 0.5]], np.float32)
+    m = M.logits_metrics(ref, mlx, tie_tolerance=1.1)
+    assert m["max_abs"] == pytest.approx(1.05) and m["top1"] == 0.5
+    assert m["top1_tol"] == 1.0  # ref margin of the flipped pair is 1.0 <= 1.1
+    assert M.logits_metrics(ref, mlx, tie_tolerance=0.5)["top1_tol"] == 0.5
+    p = np.exp(ref[1] - np.log(np.exp(ref[1]).sum()))
+    lq = mlx[1] - np.log(np.exp(mlx[1]).sum())
+    kl1 = float((p * (np.log(p) - lq)).sum())
+    assert m["kl_max"] >= kl1 - 1e-9
+
+
+def _stream(argmax_rows, topk_ids, topk_vals, tokens):
+    a = np.array(argmax_rows, np.int32)
+    block = BlockTrace(tokens, len(a), a, np.array(topk_ids, np.int32), np.array(topk_vals, np.float32))
+    return CommitStream([1, 2], [block], "length")
+
+
+def test_first_divergence_names_canvas_step_position_and_logits():
+    ids = [[[5, 7]], [[5, 7]]]
+    r = _stream([[5], [5]], ids, [[[1.0, 0.95]], [[2.0, 1.0]]], [5])
+    m = _stream([[5], [7]], [[[5, 7]], [[7, 5]]], [[[1.0, 0.9]], [[1.8, 1.7]]], [7])
+    div = M.first_divergence(r, m)
+    assert (div.block, div.step, div.position, div.reference_token, div.mlx_token) == (0, 1, 0, 5, 7)
+    assert div.reference_logits["5"] == 2.0 and div.reference_logits["7"] == 1.0
+    assert div.mlx_logits["7"] == pytest.approx(1.8) and div.mlx_logits["5"] == pytest.approx(1.7)
+    assert "canvas 0, step 2, position 0" in div.describe()
+    assert not div.near_tie(0.5) and div.near_tie(1.0)
+    assert M.first_divergence(r, r) is None
+    assert M.stream_metrics(r, m)["token_match"] == 0.0
+
+
+def test_trace_recorder_topk():
+    rec = TraceRecorder([1])
+    rec.step(np.array([[0.1, 0.9, 0.5], [2.0, 1.0, 3.0]], np.float32))
+    rec.commit([1, 2])
+    b = rec.stream.blocks[0]
+    assert b.steps == 1 and b.step_argmax.tolist() == [[1, 2]]
+    assert b.topk_ids[0, 0].tolist() == [1, 2, 0] and b.topk_logits[0, 1].tolist() == [3.0, 2.0, 1.0]
+
+
+# -- thresholds ----------------------------------------------------------------
+
+
+def test_threshold_classes_and_overrides(tmp_path):
+    assert T.thresholds_for("implementation", "q4", "float32", 4)[0] == "float32"
+    assert T.thresholds_for("logits", "q4", "float32", 4)[0] == "q4"
+    assert T.thresholds_for("logits", "bfloat16", "bfloat16", None)[0] == "half"
+    cls, bounds, tol = T.thresholds_for("logits", "float32", "float32", None,
+                                        {"logits": {"max_abs": 0.5, "top1": [">=", 0.2], "tie_tolerance": 0.1}})
+    assert bounds["max_abs"] == ("<=", 0.5) and bounds["top1"] == (">=", 0.2) and tol == 0.1
+    assert T.evaluate({"max_abs": 0.6, "top1": 0.3}, {"max_abs": ("<=", 0.5), "top1": (">=", 0.2)}) == (
+        False, ["max_abs 0.6 (want <= 0.5)"])
+    assert T.evaluate({}, {"x": ("<=", None)}) == (True, [])
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"nonsense": {}}))
+    with pytest.raises(ConfigError, match="unknown check"):
+        T.load_overrides(bad)
+
+
+# -- dequantization ------------------------------------------------------------
+
+
+def test_dequantized_weights_reproduce_the_quantized_matmul(tiny_dg_dir, tmp_path):
+    import mlx.core as mx
+
+    from dlm.runtime.api import load
+    from dlm.verify.weights import dequantized_weights, precision
+
+    q4 = convert(tiny_dg_dir, tmp_path / "q4", quantize=True, q_bits=4, q_group_size=32)
+    prec = precision(q4)
+    assert (prec.label, prec.bits, prec.compute_dtype) == ("mixed-q4", 4, "float32")
+    weights = dequantized_weights(q4)
+    assert not any(k.endswith((".scales", ".biases")) for k in weights)
+    loaded = load(q4)
+    proj = loaded.model.model.decoder.layers[0].self_attn.q_proj
+    x = mx.array(np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32))
+    want = np.array(proj(x))
+    got = np.array(x) @ weights["model.decoder.layers.0.self_attn.q_proj.weight"].T
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+# -- errors --------------------------------------------------------------------
+
+
+def _cli(args):
+    from click.testing import CliRunner
+
+    from dlm.verify.cli import main
+
+    return CliRunner().invoke(main, args)
+
+
+@pytest.fixture(scope="module")
+def f32(tiny_dg_dir, tmp_path_factory):
+    return convert(tiny_dg_dir, tmp_path_factory.mktemp("verify_err") / "f32")
+
+
+def test_error_when_reference_cannot_be_loaded(f32, tmp_path):
+    r = _cli(["--parity", str(f32), "--reference", str(tmp_path / "missing"), "-q"])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "Traceback" not in r.output
+    # A directory without safetensors (pickles are never loaded).
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    for f in f32.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, pickled / f.name)
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    r = _cli(["--parity", str(f32), "--reference", str(pickled), "-q"])
+    assert r.exit_code == 2 and "safetensors" in r.output
+
+
+def test_error_without_recorded_source(f32, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(f32, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.pop("dlm")
+    (model / "config.json").write_text(json.dumps(cfg))
+    r = _cli([str(model), "-q"])
+    assert r.exit_code == 2 and "--reference" in r.output
+
+
+def test_error_on_incompatible_bundle_and_bad_flags(f32, tmp_path):
+    from verify_helpers import record_bundle
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('Hello there\n{"ids": [2, 40, 41, 42]}\n')
+    bundle = record_bundle(f32, tmp_path / "b", builtin_prompts=False, prompts_file=str(prompts),
+                           stream_prompts=0)
+    doc = json.loads((bundle / "bundle.json").read_text())
+    assert len(doc["prompts"]) == 2 and doc["prompts"][1] == [2, 40, 41, 42]
+    doc["config"]["text_config"]["vocab_size"] = 1024
+    (bundle / "bundle.json").write_text(json.dumps(doc))
+    r = _cli([str(f32), "--bundle", str(bundle), "-q"])
+    assert r.exit_code == 2 and "vocab_size" in r.output
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "bundle.json").write_text(json.dumps({"format": "something-else"}))
+    r = _cli([str(f32), "--bundle", str(fake), "-q"])
+    assert r.exit_code == 2 and "not a dlm-verify bundle" in r.output
+    r = _cli([str(f32), "--bundle", str(fake), "--reference", "x/y", "-q"])
+    assert r.exit_code == 2 and "exclusive" in r.output
+    r = _cli([])
+    assert r.exit_code == 2 and "--parity" in r.output
+
+
+def test_record_requires_a_reference(tmp_path):
+    r = _cli(["record", "-o", str(tmp_path / "b")])
+    assert r.exit_code == 2 and "--reference" in r.output
+    with pytest.raises(DlmError):
+        from dlm.verify.source import resolve_reference
+
+        resolve_reference(str(tmp_path / "nope"))
