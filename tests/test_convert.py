@@ -138,6 +138,12 @@ def test_mixed_recipe_quantizes_per_class(dg_vision, vision_q4):
     assert seen == {"high": 1 + 6 * 3 + 5 * 4 + 3 + 6, "low": 3 + 6 * 2}
     assert any(n.startswith("model.encoder.vision_tower.") for n in got)
     assert (out / "processor_config.json").is_file()
+    # re-saved config form: per_layer_config kept, the flat hub keys added for hub-form readers
+    src_cfg = json.loads((dg_vision / "config.json").read_text())
+    assert "global_head_dim" not in src_cfg["text_config"]
+    assert cfg["text_config"]["per_layer_config"] == src_cfg["text_config"]["per_layer_config"]
+    assert (cfg["text_config"]["global_head_dim"], cfg["text_config"]["num_global_key_value_heads"]) == (32, 1)
+    assert ModelArgs.from_config(cfg) == ModelArgs.from_config(src_cfg)
     assert result.fallbacks == []
     assert 4.0 < result.bits_per_weight < 16.0
 
@@ -294,3 +300,36 @@ def test_cli_aliases_and_default_output(tiny_dg_dir, tmp_path, monkeypatch):
     assert got["model.decoder.embed_tokens.weight"].dtype == mx.bfloat16
     res = CliRunner().invoke(main, ["--help"])
     assert "--q-bits" in res.output and "--mlx-path" in res.output and "Examples" in res.output
+
+
+def test_llada2_stacks_experts_and_keeps_expert_bias_float32(tmp_path):
+    """The generic pipeline runs a family's combine plans (per-expert -> stacked) and keep_float32."""
+    import torch
+    from tiny_llada2 import build_llada2
+
+    src = tmp_path / "llada2"
+    build_llada2(src, shards=2)
+    tensors = source_tensors(src)
+    cfg = json.loads((src / "config.json").read_text())
+    layer = cfg["first_k_dense_replace"]
+    experts = [tensors[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"] for e in range(cfg["num_experts"])]
+    stacked = torch.stack(experts)
+
+    out = tmp_path / "bf16"
+    run(src, out, dtype="bfloat16")
+    got = load_output(out)
+    mine = got[f"model.layers.{layer}.mlp.switch_mlp.up_proj.weight"]
+    assert mine.dtype == mx.bfloat16 and mine.shape == tuple(stacked.shape)
+    assert np.array_equal(mx_bits(mine), bits_of(stacked.to(torch.bfloat16)))
+    bias = got[f"model.layers.{layer}.mlp.gate.expert_bias"]
+    assert bias.dtype == mx.float32
+    assert np.array_equal(mx_bits(bias), bits_of(tensors[f"model.layers.{layer}.mlp.gate.expert_bias"]))
+
+    out = tmp_path / "q4"
+    run(src, out, quantize=True)
+    got = load_output(out)
+    name = f"model.layers.{layer}.mlp.switch_mlp.up_proj"
+    want = mx.quantize(mx.array(stacked.numpy()), group_size=64, bits=4)
+    assert stacked.shape[-1] % 64 == 0  # the tiny hidden size, so the experts do quantize
+    for part, arr in zip(("weight", "scales", "biases"), want):
+        assert np.array_equal(np.array(got[f"{name}.{part}"]), np.array(arr)), part

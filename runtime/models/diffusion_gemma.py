@@ -273,6 +273,19 @@ def output_config(config: dict, text_only: bool) -> dict:
         out.pop("vision_config", None)
         for key in ("vision_soft_tokens_per_image",):
             out.pop(key, None)
+    # Re-saved form: also write the flat hub keys (transformers ignores them
+    # next to per_layer_config; MLX tools that only read the hub form need them).
+    nested = isinstance(out.get("text_config"), dict)
+    text = dict(out["text_config"]) if nested else out
+    if text.get("per_layer_config"):
+        args = ModelArgs.from_config(config)
+        full = {(d, kv) for d, kv, t in zip(args.layer_head_dims, args.layer_kv_heads, args.layer_types)
+                if t == FULL}
+        overridden = {int(k) for k in text["per_layer_config"]}
+        if len(full) == 1 and overridden <= {i for i, t in enumerate(args.layer_types) if t == FULL}:
+            text["global_head_dim"], text["num_global_key_value_heads"] = full.pop()
+        if nested:
+            out["text_config"] = text
     return out
 
 
