@@ -92,6 +92,9 @@ DIFFUSION_FIELDS = {
     "diffusion_full_canvas": _bool,
     "block_length": lambda v, n: _int(v, n, 1),
     "threshold": lambda v, n: _float(v, n, 0.0, 1.0),
+    "threshold_schedule": _str,
+    "editing_threshold": lambda v, n: _float(v, n, 0.0, 1.0),
+    "max_post_steps": lambda v, n: _int(v, n, 0),
 }
 # Accepted and ignored: identify the client, not the generation.
 IGNORED_FIELDS = {"model", "user"}

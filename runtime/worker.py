@@ -135,6 +135,10 @@ class GenerationWorker:
                 self._cond.notify_all()
 
     @property
+    def current(self) -> Optional[Job]:
+        return self._current
+
+    @property
     def busy(self) -> bool:
         return self._current is not None
 
