@@ -250,3 +250,21 @@ def test_record_requires_a_reference(tmp_path):
         from dlm.verify.source import resolve_reference
 
         resolve_reference(str(tmp_path / "nope"))
+
+
+def test_reference_from_the_hf_cache_offline(tiny_dg_dir, tmp_path, monkeypatch):
+    """A repo id resolves through the Hugging Face cache with HF_HUB_OFFLINE set."""
+    from tiny_checkpoints import install_in_hf_cache
+
+    from dlm.verify.suite import Options, record
+
+    install_in_hf_cache(tiny_dg_dir, tmp_path / "hub", "tiny-org/tiny-dg")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('{"ids": [2, 30, 31, 32, 33]}\n')
+    data = record("tiny-org/tiny-dg", Options(reference="tiny-org/tiny-dg", builtin_prompts=False,
+                                              prompts_file=str(prompts), stream_prompts=0, progress=False))
+    assert data.original.meta["source"] == "tiny-org/tiny-dg" and len(data.cases) == 5
+    with pytest.raises(DlmError, match="HF_HUB_OFFLINE|cache"):
+        record("tiny-org/absent", Options(reference="tiny-org/absent", progress=False))

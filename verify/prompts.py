@@ -54,11 +54,11 @@ def read_prompts_file(path: str | Path) -> list[dict]:
 class Encoder:
     """Chat-templated encoding with the checkpoint's tokenizer."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, trust_remote_code: bool = False):
         from transformers import AutoTokenizer
 
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+            self.tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         except Exception as exc:
             raise ConfigError(f"{model_dir}: cannot load the tokenizer ({exc})") from None
 
@@ -75,10 +75,10 @@ class Encoder:
 
 
 def suite_prompts(model_dir: str | Path, extra_file: str | Path | None, *, builtin: bool = True,
-                  long_prompt_tokens: int | None = None) -> list[list[int]]:
+                  long_prompt_tokens: int | None = None, trust_remote_code: bool = False) -> list[list[int]]:
     """Token ids of the built-in prompts, the long prompt (when
     ``long_prompt_tokens``: longer than the sliding window), then the file's."""
-    enc = Encoder(model_dir)
+    enc = Encoder(model_dir, trust_remote_code)
     items = [{"prompt": p} for p in BUILTIN] if builtin else []
     prompts = [enc(item) for item in items]
     if builtin and long_prompt_tokens:

@@ -13,7 +13,8 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     Build the PyTorch reference on CPU from a local checkpoint directory
     (``path``: already resolved, see ``dlm.verify.source``) in ``dtype``
     ("float32" | "bfloat16" | "float16"). Load weights only from safetensors.
-    ``weights``: optional ``{hf_name: np.ndarray}`` that replaces the
+    ``weights``: optional mapping ``{hf_name: np.ndarray}`` (possibly lazy:
+    read each tensor once, by key, while loading) that replaces the
     checkpoint's weights (implementation parity of a quantized model: these
     are the MLX model's dequantized weights, already mapped back to HF names by
     ``hf_weights_from_mlx``). With ``weights`` given, ``path`` may be the
@@ -23,12 +24,14 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     the reference cannot be built. Returns an opaque handle that the other
     ``reference_*`` functions receive.
 
-``hf_weights_from_mlx(mlx_weights, config) -> dict[str, np.ndarray]``
+``hf_weights_from_mlx(mlx_weights, config) -> Mapping[str, np.ndarray]``
     Inverse of the converter's weight plan: ``mlx_weights`` are the converted
-    tensors, dequantized to float32 (``dlm.verify.weights.dequantized_weights``),
-    under their MLX names; return them under the HF names that
-    ``load_reference(weights=...)`` accepts (re-split fused tensors, drop the
-    ``.weight`` suffixes the converter added, ...).
+    tensors, dequantized to float32 on access (a lazy Mapping,
+    ``dlm.verify.weights.dequantized_weights``), under their MLX names; return
+    them under the HF names that ``load_reference(weights=...)`` accepts
+    (re-split fused tensors, drop the ``.weight`` suffixes the converter
+    added, ...). A lazy view (``dlm.verify.weights.Renamed``) keeps memory at
+    one tensor; a plain dict works too.
 
 ``logit_cases(config, prompts, generation_config) -> list[LogitCase]``
     The fixed forward passes compared by the logits checks, for every prompt

@@ -165,7 +165,8 @@ def _load_weights(model, weights: dict, torch_dtype) -> None:
         or (n.startswith("model.encoder.language_model.layers.") and n.endswith("layer_scalar"))
     }
     with torch.no_grad():
-        for name, value in weights.items():
+        for name in weights:
+            value = weights[name]
             if name not in own:
                 raise WeightError(f"MLX tensor {name} has no counterpart in the PyTorch reference")
             target = own[name]
@@ -183,16 +184,19 @@ def _load_weights(model, weights: dict, torch_dtype) -> None:
     model.tie_weights()
 
 
-def hf_weights_from_mlx(mlx_weights: dict, config: dict) -> dict:
-    """MLX names -> HF names (converter plan: fused experts gained '.weight')."""
-    out = {}
-    for name, value in mlx_weights.items():
-        if name.endswith(("experts.gate_up_proj.weight", "experts.down_proj.weight")):
-            name = name[: -len(".weight")]
+def hf_weights_from_mlx(mlx_weights, config: dict):
+    """MLX names -> HF names (converter plan: fused experts gained '.weight'),
+    as a lazy view: tensors are dequantized one at a time while loading."""
+    from .weights import Renamed
+
+    def rename(name: str):
         if name == "lm_head.weight":  # tied to embed_tokens
-            continue
-        out[name] = value
-    return out
+            return None
+        if name.endswith(("experts.gate_up_proj.weight", "experts.down_proj.weight")):
+            return name[: -len(".weight")]
+        return name
+
+    return Renamed(mlx_weights, rename)
 
 
 # ---------------------------------------------------------------------------

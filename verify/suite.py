@@ -111,7 +111,8 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None) -> 
     generation_config = getattr(ref, "generation_config", None) or {}
     window = _sliding_window(config)
     prompts = suite_prompts(ref_path, options.prompts_file, builtin=options.builtin_prompts,
-                            long_prompt_tokens=window if options.long_prompt else None)
+                            long_prompt_tokens=window if options.long_prompt else None,
+                            trust_remote_code=options.trust_remote_code)
     cases = adapter.logit_cases(config, prompts, generation_config)
     settings = adapter.stream_settings(config, generation_config, blocks=options.canvases, steps=options.steps)
     stream_idx = _stream_indices(len(prompts), options.stream_prompts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,25 +100,42 @@ def precision(model_dir: Path, config: dict | None = None) -> Precision:
     return Precision(label, compute, low, mode)
 
 
-def dequantized_weights(model_dir: Path, config: dict | None = None) -> dict[str, np.ndarray]:
-    """Every converted tensor under its MLX name, quantized ones dequantized,
-    all as float32 numpy (what the weights *mean*, whatever their storage)."""
-    import mlx.core as mx
+class DequantizedWeights(Mapping):
+    """``{mlx_name: float32 numpy}`` of a converted directory, dequantized one
+    tensor at a time on access (a 26B model never sits in memory twice)."""
 
-    model_dir = Path(model_dir)
-    config = config if config is not None else json.loads((model_dir / "config.json").read_text())
-    raw = _load_all(model_dir)
-    out: dict[str, np.ndarray] = {}
-    for name, arr in raw.items():
-        if name.endswith((".scales", ".biases")) and name.rsplit(".", 1)[0] + ".scales" in raw:
-            continue
+    def __init__(self, model_dir: Path, config: dict):
+        self.model_dir, self.config = Path(model_dir), config
+        self._raw = _load_all(self.model_dir)  # mx.load maps lazily; nothing is read yet
+        raw = self._raw
+        self._names = sorted(
+            n for n in raw
+            if not (n.endswith((".scales", ".biases")) and n.rsplit(".", 1)[0] + ".scales" in raw)
+        )
+        self._set = set(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __contains__(self, name) -> bool:
+        return name in self._set
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        import mlx.core as mx
+
+        if name not in self._set:
+            raise KeyError(name)
+        raw, arr = self._raw, self._raw[name]
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if module is not None and module + ".scales" in raw:
-            params = _quant_params(config, module)
+            params = _quant_params(self.config, module)
             if params is None:
                 raise ConfigError(
-                    f"{model_dir / 'config.json'}: {module} is stored quantized but the quantization "
-                    "block says it is not"
+                    f"{self.model_dir / 'config.json'}: {module} is stored quantized but the "
+                    "quantization block says it is not"
                 )
             try:
                 arr = mx.dequantize(
@@ -129,8 +147,37 @@ def dequantized_weights(model_dir: Path, config: dict | None = None) -> dict[str
         if mx.issubdtype(arr.dtype, mx.floating):
             arr = arr.astype(mx.float32)
         mx.eval(arr)
-        out[name] = np.array(arr)
-    return out
+        return np.array(arr)
+
+
+def dequantized_weights(model_dir: Path, config: dict | None = None) -> DequantizedWeights:
+    """Every converted tensor under its MLX name, quantized ones dequantized,
+    as float32 numpy (what the weights *mean*, whatever their storage)."""
+    model_dir = Path(model_dir)
+    config = config if config is not None else json.loads((model_dir / "config.json").read_text())
+    return DequantizedWeights(model_dir, config)
+
+
+class Renamed(Mapping):
+    """A lazy view of a weight mapping under other names: ``rename(name)``
+    returns the new name, or None to leave a tensor out."""
+
+    def __init__(self, source: Mapping, rename):
+        self.source = source
+        self._map = {}
+        for name in source:
+            new = rename(name)
+            if new is not None:
+                self._map[new] = name
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __getitem__(self, name: str):
+        return self.source[self._map[name]]
 
 
 def fingerprint(model_dir: Path) -> str:
