@@ -369,7 +369,7 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
              f"({', '.join(fallbacks[:4])}{', ...' if len(fallbacks) > 4 else ''})")
     if recipe:
         echo(f"Quantized model with {bpw:.3f} bits per weight.")
-    echo(f"Wrote {len(shards)} shard(s), {stored / 1e9:.2f} GB, to {out} in {seconds:.1f} s")
+    echo(f"Wrote {len(shards)} shard(s), {human_size(stored)}, to {out} in {seconds:.1f} s")
     return ConvertResult(out, seconds, sum(len(j.outputs) for j in jobs), [s.file for s in shards],
                          stored, parameters, bpw, fallbacks)
 
@@ -462,7 +462,7 @@ def _card_context(out: Path, src: ResolvedSource, family: Family, config: dict, 
         "command": command_line(opts, recipe),
         "n_tensors": sum(len(j.outputs) for j in jobs),
         "n_shards": len(shards),
-        "size_label": f"{stored / 1e9:.2f} GB",
+        "size_label": human_size(stored),
         "dtype_label": dtype_label,
         "vision_label": ("kept, in float" if has_vision and not text_only
                          else "dropped (--text-only)" if has_vision else "none in the source"),
@@ -474,6 +474,10 @@ def _card_context(out: Path, src: ResolvedSource, family: Family, config: dict, 
         "fallbacks": fallbacks,
         "model_ref": out.name,
     }
+
+
+def human_size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def dlm_version() -> str:

@@ -95,6 +95,10 @@ def test_source_that_is_neither_dir_nor_repo(tmp_path):
     fails("./no/such/dir", tmp_path / "out", r"not a directory and not a Hugging Face Hub repo id")
 
 
+def test_revision_with_a_local_directory(ckpt, tmp_path):
+    fails(ckpt, tmp_path / "out", r"--revision applies to Hub repo ids", revision="main")
+
+
 def test_repo_not_in_offline_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
