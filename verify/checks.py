@@ -19,7 +19,7 @@ TITLES = {
     "logits": "Logits vs the original weights",
     "implementation": "Implementation parity (same weights)",
     "drift": "Quantization drift",
-    "commit_stream": "Commit streams (debug canvas)",
+    "commit_stream": "Commit streams (deterministic generation)",
 }
 
 

@@ -89,6 +89,12 @@ class Report:
             Path(tmp).unlink(missing_ok=True)
             raise
 
+    def settings_text(self) -> str:
+        """The commit-stream settings (family-specific keys), scalars only."""
+        items = [f"{k}={v}" for k, v in self.settings.items()
+                 if k != "stream_prompts" and isinstance(v, (int, float, str, bool))]
+        return ", ".join(items)
+
     # -- terminal -----------------------------------------------------------
 
     def _numbers(self, c: CheckResult) -> str:
@@ -111,10 +117,8 @@ class Report:
             f"  family {self.family}, precision {prec.get('label')} (computes in {prec.get('compute_dtype')}); "
             f"reference {src} ({ref.get('dtype', '?')})"
             + (f", bundle {ref['bundle']}" if ref.get("bundle") and ref.get("source") else ""),
-            f"  {self.prompts} prompts, {self.cases} logit cases, commit streams: "
-            f"{self.settings.get('stream_prompts', 0)} prompts × "
-            f"{self.settings.get('max_new_tokens', '?')} tokens, ≤{self.settings.get('max_denoising_steps', '?')} "
-            f"steps per canvas",
+            f"  {self.prompts} prompts, {self.cases} logit cases; commit streams for "
+            f"{self.settings.get('stream_prompts', 0)} prompts ({self.settings_text()})",
             "",
         ]
         rows = [("check", "verdict", "numbers", "threshold")]
@@ -161,10 +165,8 @@ class Report:
             f"{self.precision.get('label')} model (computing in {self.precision.get('compute_dtype')}) against "
             f"the PyTorch reference `{src}` in {ref.get('dtype', '?')}" + (f" ({vtext})" if vtext else "") + ".",
             "",
-            f"{self.prompts} prompts, {self.cases} fixed-canvas logit cases; commit streams use the "
-            f"deterministic debug canvas ({self.settings.get('stream_prompts', 0)} prompts, "
-            f"{self.settings.get('max_new_tokens', '?')} tokens, ≤{self.settings.get('max_denoising_steps', '?')} "
-            "steps per canvas).",
+            f"{self.prompts} prompts, {self.cases} fixed logit cases; commit streams of the deterministic "
+            f"generation for {self.settings.get('stream_prompts', 0)} prompts ({self.settings_text()}).",
             "",
             "| check | verdict | measured | threshold |",
             "|---|---|---|---|",
