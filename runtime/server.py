@@ -31,11 +31,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import DlmError
 from .events import GenerationEvent, GenerationStats
-from .server_requests import ModelCaps, ParsedRequest, RequestError, bad, parse_chat, parse_completion
+from .server_requests import (SAMPLING_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat,
+                              parse_completion)
 from .worker import GenerationWorker, Job, QueueFull, WorkerStopped
 
 DEFAULT_QUEUE_SIZE = 16
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Runtime option -> the request field that sets it (temp <- temperature, ...).
+OPTION_FIELDS = {option: name for name, (option, _) in SAMPLING_FIELDS.items()}
 # Options that shape the prompt rather than the generation loop.
 PROMPT_DEFAULTS = ("enable_thinking",)
 
@@ -336,6 +339,24 @@ class _Server:
                                                        chat_template=True, enable_thinking=thinking))
             return list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt, chat_template=False))
 
+    def check_request_options(self, requested: dict, options: dict):
+        """The family's settings for ``options``, or a 400 naming the request
+        fields it refuses (its message speaks of options or CLI flags; the
+        client needs its own field names)."""
+        try:
+            return check_options(self.loaded, options)
+        except DlmError as exc:
+            fields = []
+            for name, value in requested.items():
+                try:
+                    check_options(self.loaded, {name: value})
+                except DlmError:
+                    fields.append(OPTION_FIELDS.get(name, name))
+            if not fields:
+                raise bad(str(exc)) from None
+            names = ", ".join(repr(f) for f in fields)
+            raise bad(f"{names}: {exc}", fields[0]) from None
+
     async def handle(self, request: Request, kind: str) -> _JobResponse:
         received_at = time.perf_counter()
         body = await self.read_json(request)
@@ -343,12 +364,12 @@ class _Server:
         options = {**self.defaults, **req.options}
         try:
             prompt_ids = await run_in_threadpool(self.encode, req)
-            check_options(self.loaded, options)
         except DlmError as exc:
             raise bad(str(exc)) from None
+        settings = self.check_request_options(req.options, options)
         if not prompt_ids:
             raise bad("the prompt is empty after tokenization", "messages" if kind == "chat" else "prompt")
-        max_tokens = options.get("max_tokens")
+        max_tokens = getattr(settings, "max_tokens", None)
         if self.context and max_tokens and len(prompt_ids) + max_tokens > self.context:
             raise bad(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                       f"model context of {self.context} tokens", "max_tokens")
@@ -366,12 +387,13 @@ class _Server:
         return _JobResponse(self, job, req, len(prompt_ids), received_at)
 
 
-def check_options(loaded, options: dict) -> None:
+def check_options(loaded, options: dict):
     """Let the family's settings parser refuse inapplicable or bad options
     (GenerationError naming them) without generating: the server checks each
     request before it takes a queue slot, and ``serve`` its defaults at startup."""
     options = {k: v for k, v in options.items() if k not in PROMPT_DEFAULTS}
-    loaded.family.generation().Settings.from_options(options, loaded.args, loaded.generation_config)
+    return loaded.family.generation().Settings.from_options(options, loaded.args,
+                                                            loaded.generation_config)
 
 
 def _clear_mlx_cache() -> None:

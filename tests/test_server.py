@@ -237,6 +237,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": ""}, 400, "empty"),
     ("completions", {"prompt": 42}, 400, "'prompt'"),
     ("chat", {"messages": MSGS, "max_tokens": 5000}, 400, "context of 4096"),
+    ("completions", {"prompt": "a" * 4095}, 400, "context of 4096"),  # + the default 8 tokens
     ("chat", {"messages": MSGS, "frequency_penalty": 0.5, "logprobs": True}, 400,
      "'frequency_penalty', 'logprobs'"),
     ("chat", {"messages": MSGS, "block_length": 4}, 400, "block_length"),
