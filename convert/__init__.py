@@ -1,0 +1,1 @@
+"""dlm-convert: Hugging Face checkpoints to MLX safetensors (see pipeline.py)."""

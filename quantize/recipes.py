@@ -15,7 +15,6 @@ and is recorded (``false`` in the config block, listed in the model card).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -161,12 +160,3 @@ def bits_per_weight(stored_bytes: int, parameters: int) -> float:
     """Stored bits per original parameter (scales and biases included), as mlx-lm reports it."""
     return 8.0 * stored_bytes / parameters if parameters else 0.0
 
-
-def group_bytes(shape: tuple[int, ...], spec: QuantSpec, dtype: mx.Dtype) -> int:
-    """Bytes of a quantized tensor (weight + scales [+ biases]), for estimates."""
-    rows, cols = math.prod(shape[:-1]), shape[-1]
-    packed = rows * cols * spec.bits // 8
-    groups = rows * cols // spec.group_size
-    if spec.mode == "affine":
-        return packed + 2 * groups * dtype.size
-    return packed + groups
