@@ -132,6 +132,8 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None) -> 
 
 def _sliding_window(config: dict) -> Optional[int]:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if text.get("use_sliding_window") is False:  # LLaDA-2 carries the key but never uses it
+        return None
     value = text.get("sliding_window")
     return int(value) if value else None
 
@@ -149,6 +151,19 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, adapter, options: Options) -> 
                          bundle.settings, options.progress, "reference (MLX weights)")
     run.meta = dict(dtype=dtype, fingerprint=W.fingerprint(mlx_dir), versions=_versions())
     return run
+
+
+def _generation_config_differences(settings: dict, generation_config: dict) -> list[str]:
+    out = []
+    for key, value in settings.items():
+        if key in generation_config and generation_config[key] != value:
+            mine = generation_config[key]
+            if isinstance(mine, (int, float)) and isinstance(value, (int, float)) and float(mine) == float(value):
+                continue
+            if key in ("max_denoising_steps", "max_new_tokens", "max_tokens"):
+                continue  # the suite sets its own budgets
+            out.append(f"{key}: {mine!r} vs {value!r}")
+    return out
 
 
 def _check_compatible(bundle: B.Bundle, config: dict, where: str) -> None:
@@ -208,6 +223,10 @@ def run_parity(mlx_dir, options: Options) -> Report:
     compute = adapter.compute_dtype(loaded) if hasattr(adapter, "compute_dtype") else prec.compute_dtype
     if compute != prec.compute_dtype:
         prec = W.Precision(prec.label if prec.quantized else compute, compute, prec.bits, prec.mode)
+    differ = _generation_config_differences(bundle.settings, loaded.generation_config)
+    if differ:
+        notes.append("the MLX generation_config.json differs from the reference's ("
+                     + ", ".join(differ) + "): commit streams may diverge for that reason")
     mlx_logits = {}
     for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
         mlx_logits[case.name] = adapter.mlx_logits(loaded, case)
