@@ -248,6 +248,9 @@ def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
         eos_token_id=[int(e) for e in eos],
         mask_token_id=int(gc.get("mask_token_id", args.mask_token_id)),
         runs=[{"name": "greedy", "temperature": 0.0, "top_p": None, "seed": None}, dict(SEEDED_RUN)],
+        # The report's names for the budget and the step bound (per run).
+        max_new_tokens=int(blocks) * bl,
+        max_denoising_steps=int(steps or gc.get("steps") or 32),
     )
 
 
