@@ -76,11 +76,13 @@ class Encoder:
 
 def suite_prompts(model_dir: str | Path, extra_file: str | Path | None, *, builtin: bool = True,
                   long_prompt_tokens: int | None = None, trust_remote_code: bool = False) -> list[list[int]]:
-    """Token ids of the built-in prompts, the long prompt (when
-    ``long_prompt_tokens``: longer than the sliding window), then the file's."""
+    """Token ids of the file's prompts (first: they get the commit streams),
+    the built-in prompts, then the long prompt (when ``long_prompt_tokens``:
+    longer than the sliding window)."""
     enc = Encoder(model_dir, trust_remote_code)
+    prompts = [enc(item) for item in read_prompts_file(extra_file)] if extra_file else []
     items = [{"prompt": p} for p in BUILTIN] if builtin else []
-    prompts = [enc(item) for item in items]
+    prompts += [enc(item) for item in items]
     if builtin and long_prompt_tokens:
         one, two = enc({"prompt": _LONG_TEXT}), enc({"prompt": _LONG_TEXT * 2})
         per_copy = max(1, len(two) - len(one))
@@ -90,8 +92,6 @@ def suite_prompts(model_dir: str | Path, extra_file: str | Path | None, *, built
             k += 1
             ids = enc({"prompt": _LONG_TEXT * k})
         prompts.append(ids)
-    if extra_file:
-        prompts.extend(enc(item) for item in read_prompts_file(extra_file))
     if not prompts:
         raise ConfigError("no prompts: pass --prompts FILE or keep the built-in prompts")
     return prompts
