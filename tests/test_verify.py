@@ -162,3 +162,46 @@ def test_cli_report_and_model_card(conversions, reference_bundle, tmp_path):
                                       "--stream-prompts", "1", "-q"])
     assert again.exit_code == 0, again.output
     assert (model / "README.md").read_text().count("<!-- dlm-verify:begin -->") == 1
+
+
+_NO_TORCH = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is not installed here")
+sys.meta_path.insert(0, Block())
+from dlm.verify.cli import main
+main()
+"""
+
+
+def test_bundle_compare_on_a_machine_without_torch(conversions, tiny_dg_dir, tmp_path):
+    """Record once with torch (plus the same-weights reference for this q4
+    conversion), compare in a process where torch cannot be imported."""
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from dlm.verify.cli import main
+
+    bundle = tmp_path / "bundle"
+    r = CliRunner().invoke(main, ["record", "--reference", str(tiny_dg_dir), "-o", str(bundle), "--mlx",
+                                  str(conversions["q4"]), "--steps", "8", "--stream-prompts", "1", "-q"])
+    assert r.exit_code == 0, r.output
+    assert "with the MLX weights' reference" in r.output
+    thresholds = tmp_path / "t.json"
+    thresholds.write_text(json.dumps(TINY_DRIFT))
+    script = tmp_path / "no_torch.py"
+    script.write_text(_NO_TORCH)
+    out = subprocess.run(
+        [sys.executable, str(script), "--parity", str(conversions["q4"]), "--bundle", str(bundle),
+         "--thresholds", str(thresholds), "--report", str(tmp_path / "r.json"), "-q"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert {k: v["status"] for k, v in data["checks"].items()} == {
+        "logits": "pass", "implementation": "pass", "drift": "pass", "commit_stream": "pass"}
+    assert "recorded in the bundle" in data["checks"]["implementation"]["note"]

@@ -183,7 +183,7 @@ def _check_compatible(bundle: B.Bundle, config: dict, where: str) -> None:
 
 def run_parity(mlx_dir, options: Options) -> Report:
     """Compare a converted MLX directory with its PyTorch reference."""
-    from dlm.runtime import api
+    from dlm.runtime import loader
 
     mlx_dir = Path(mlx_dir).expanduser()
     if not (mlx_dir / "config.json").exists():
@@ -218,7 +218,8 @@ def run_parity(mlx_dir, options: Options) -> Report:
     timings["reference"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    loaded = api.load(mlx_dir, trust_remote_code=options.trust_remote_code)
+    # Prompts are token ids: no tokenizer needed (nor transformers, on a torch-less machine).
+    loaded = loader.load(mlx_dir, trust_remote_code=options.trust_remote_code, tokenizer=False)
     prec = W.precision(mlx_dir, config)
     compute = adapter.compute_dtype(loaded) if hasattr(adapter, "compute_dtype") else prec.compute_dtype
     if compute != prec.compute_dtype:
