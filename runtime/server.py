@@ -125,7 +125,7 @@ def _error_body(exc: BaseException) -> tuple[int, dict]:
 
 
 def _sse(obj: Any) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n".encode("utf-8")
 
 
@@ -309,7 +309,9 @@ class _Server:
         self.caps = ModelCaps(family=getattr(getattr(loaded, "family", None), "name", "this"),
                               text_only=True if text_only is None else bool(text_only))
         self.context = getattr(getattr(loaded, "args", None), "max_position_embeddings", None)
-        self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
+        # Request threads tokenize one at a time (a fast tokenizer mutated from two
+        # threads at once raises "Already borrowed").
+        self.tokenizer_lock = threading.Lock()
         self.worker = GenerationWorker(queue_size=queue_size, after_job=_clear_mlx_cache)
 
     async def read_json(self, request: Request) -> Any:

@@ -52,6 +52,7 @@ class Job:
         # those polls came after cancel() (1 means "stopped at the next step").
         self.polls = 0
         self.polls_after_cancel = 0
+        self.last_item: Any = None  # what the generation loop yielded last
 
     # -- handler side ------------------------------------------------------
     def cancel(self) -> None:
@@ -201,6 +202,7 @@ class GenerationWorker:
             if not job.cancelled:
                 items = iter(job.run(job.should_stop))
                 for item in items:
+                    job.last_item = item
                     job.post("item", item)
                     if job.cancelled:  # do not trust every loop to poll
                         break
