@@ -95,3 +95,24 @@ def test_parity_suite_passes_and_catches_a_broken_router(dirs, tmp_path):
     bad = run_parity(broken, opts)
     assert not bad.passed
     assert {c.name: c.status for c in bad.checks}["logits"] == "fail"
+
+
+def test_trust_remote_code_uses_the_checkpoints_own_code(tmp_path):
+    """Hub-style modeling code (4.x imports, rotary buffer left to _init_weights)
+    runs under transformers 5 only through the shims; it is used only with
+    trust_remote_code. Its logits carry a +3 offset to tell the two apart."""
+    ref_model = T.build_llada2(tmp_path, "flat")
+    T.write_remote_code(tmp_path, logit_offset=3.0)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    own = A.load_reference(tmp_path)
+    assert own.notes == [] and torch.equal(own.model(ids), ref_model(ids))
+    remote = A.load_reference(tmp_path, trust_remote_code=True)
+    assert "modeling code" in remote.notes[0]
+    from dlm.verify.llada2_torch import block_causal_mask
+
+    for mask in (None, block_causal_mask(8, 4)):
+        diff = remote.model(ids, mask) - ref_model(ids, mask)
+        assert (diff - 3.0).abs().max() < 1e-4
+    cases = A.logit_cases(remote.config, [[3, 1, 4]], {})
+    assert np.allclose(A.reference_logits(remote, cases[0], {}) - 3.0,
+                       A.reference_logits(own, cases[0], {}), atol=1e-4)
