@@ -19,6 +19,7 @@ dtype flow follow ../../../shared/reference/diffusion_gemma.md §3 (transformers
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import TYPE_CHECKING, Optional
 
@@ -177,7 +178,8 @@ class Attention(nn.Module):
         k = mx.arange(n_prev + S)[None, :]
         return (k <= q) & (k > q - self.window)
 
-    def __call__(self, x: mx.array, cache: PrefixCache, offset: int, encode: bool) -> mx.array:
+    def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v as [B, heads, S, d]: normed, RoPE'd at positions offset.. (v: weightless norm)."""
         B, S, _ = x.shape
         d = self.head_dim
         q = self.q_norm(self.q_proj(x).reshape(B, S, self.n_heads, d)).transpose(0, 2, 1, 3)
@@ -185,7 +187,11 @@ class Attention(nn.Module):
         v_raw = self.v_proj(x).reshape(B, S, self.n_kv, d) if self.is_sliding else k_raw
         k = self.k_norm(k_raw).transpose(0, 2, 1, 3)
         v = rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)
-        q, k = self._rope(q, offset), self._rope(k, offset)
+        return self._rope(q, offset), self._rope(k, offset), v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: PrefixCache, encode: bool) -> mx.array:
+        """Attention output before o_proj, [B, S, heads * d]."""
+        B, _, S, _ = q.shape
         if encode:
             n_prev = cache.length
             keys, values = cache.update(k, v)
@@ -196,7 +202,10 @@ class Attention(nn.Module):
                 keys = mx.concatenate([cache.keys, k], axis=2)
                 values = mx.concatenate([cache.values, v], axis=2)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, S, -1))
+        return out.transpose(0, 2, 1, 3).reshape(B, S, -1)
+
+    def __call__(self, x: mx.array, cache: PrefixCache, offset: int, encode: bool) -> mx.array:
+        return self.o_proj(self.attend(*self.project(x, offset), cache, encode))
 
 
 class MLP(nn.Module):
@@ -322,23 +331,45 @@ class DecoderLayer(nn.Module):
         for name in NORMS:
             setattr(self, name, RMSNorm(H, eps))
         self.layer_scalar = mx.ones((1,))
+        self._compiled = None
 
-    def __call__(
-        self, x: mx.array, cache: PrefixCache, offset: int, encode: bool,
-        layer_scalar: Optional[mx.array] = None, attention_only: bool = False,
-    ) -> mx.array:
-        a = self.self_attn(self.input_layernorm(x), cache, offset, encode)
-        h = x + self.post_attention_layernorm(a)
-        if attention_only:  # last encoder layer: only its K/V matter
-            return h
+    def _project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(self.input_layernorm(x), offset)
+
+    def _finish(self, x: mx.array, attn: mx.array, scalar: mx.array) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn.o_proj(attn))
         m1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         flat = h.reshape(-1, h.shape[-1])
         weights, idx = self.router(flat)  # routed on the raw residual
         m2 = self.experts(self.pre_feedforward_layernorm_2(flat), idx, weights).reshape(h.shape)
         m2 = self.post_feedforward_layernorm_2(m2)
         out = h + self.post_feedforward_layernorm(m1 + m2)
-        scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
         return out * scalar.astype(out.dtype)
+
+    def compiled(self):
+        """(project, finish) fused with mx.compile: the denoiser calls them with the
+        same shapes every step, so each traces once per canvas length. The cache
+        concat + attention between them stay eager (their shapes grow)."""
+        if self._compiled is None:
+            state = self.state  # the module's arrays (weights, RoPE periods) as implicit inputs
+            fns = (mx.compile(self._project, inputs=state), mx.compile(self._finish, inputs=state))
+            object.__setattr__(self, "_compiled", fns)  # a plain attribute, not a child
+        return self._compiled
+
+    def __call__(
+        self, x: mx.array, cache: PrefixCache, offset: int, encode: bool,
+        layer_scalar: Optional[mx.array] = None, attention_only: bool = False,
+        compiled: bool = False,
+    ) -> Optional[mx.array]:
+        """One layer (``compiled``: fused pieces; ``offset`` must then be an mx.array).
+        ``attention_only`` (last encoder layer) only writes the cache
+        and returns None: nothing downstream reads that layer's output."""
+        project, finish = self.compiled() if compiled else (self._project, self._finish)
+        q, k, v = project(x, offset)
+        attn = self.self_attn.attend(q, k, v, cache, encode)
+        if attention_only:
+            return None
+        return finish(x, attn, self["layer_scalar"] if layer_scalar is None else layer_scalar)
 
 
 class SelfConditioning(nn.Module):
@@ -371,6 +402,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_conditioning = SelfConditioning(args)
         self.hidden = args.hidden_size
+        self.softcap = args.final_logit_softcapping
+        self._compiled = None
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -405,9 +438,22 @@ class DecoderModel(nn.Module):
             s = p @ e["weight"]
         return s.astype(dtype) * self._scale(dtype)
 
-    def logits(self, h: mx.array, softcap: float) -> mx.array:
+    def inputs(self, canvas: mx.array, sc_logits: Optional[mx.array] = None) -> mx.array:
+        """Decoder input: self-conditioning block over the scaled canvas embeddings."""
+        soft = None if sc_logits is None else self.soft_embed(sc_logits)
+        return self.self_conditioning(self.embed(canvas), soft)
+
+    def head(self, h: mx.array) -> mx.array:
+        """Tied-embedding logits in the model dtype, then float32 softcap."""
         out = self.embed_tokens.as_linear(self.norm(h)).astype(mx.float32)
-        return mx.tanh(out / softcap) * softcap
+        return mx.tanh(out / self.softcap) * self.softcap
+
+    def compiled(self):
+        if self._compiled is None:  # implicit inputs: only what these two read (not the layers)
+            state = [self.embed_tokens.state, self.norm.state, self.self_conditioning.state]
+            fns = (mx.compile(self.inputs, inputs=state), mx.compile(self.head, inputs=state))
+            object.__setattr__(self, "_compiled", fns)
+        return self._compiled
 
 
 class EncoderLayerScalar(nn.Module):
@@ -459,6 +505,8 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
+        # Fuse each decoder layer's fixed-shape parts with mx.compile (DLM_COMPILE=0: off).
+        self.compile = os.environ.get("DLM_COMPILE", "1") != "0"
 
     @property
     def layers(self):
@@ -501,13 +549,17 @@ class Model(nn.Module):
         canvas = self._ids(canvas)
         offset = cache[0].offset if offset is None else offset
         dec = self.model.decoder
-        soft = None
-        if sc_logits is not None:
-            soft = dec.soft_embed(sc_logits if sc_logits.ndim == 3 else sc_logits[None])
-        h = dec.self_conditioning(dec.embed(canvas), soft)
+        if sc_logits is not None and sc_logits.ndim == 2:
+            sc_logits = sc_logits[None]
+        if self.compile:
+            inputs, head = dec.compiled()
+            h = inputs(canvas) if sc_logits is None else inputs(canvas, sc_logits)
+            offset = mx.array(offset, dtype=mx.int32)
+        else:
+            h, head = dec.inputs(canvas, sc_logits), dec.head
         for i, layer in enumerate(dec.layers):
-            h = layer(h, cache[i], offset, False)
-        return dec.logits(h, self.args.final_logit_softcapping)
+            h = layer(h, cache[i], offset, False, compiled=self.compile)
+        return head(h)
 
 
 # ---------------------------------------------------------------------------

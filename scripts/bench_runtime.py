@@ -1,0 +1,174 @@
+"""Benchmark dlm's DiffusionGemma runtime against mlx-vlm 0.7.10 (not a test).
+
+Same converted checkpoint (dlm-convert output, which mlx-vlm loads as it is),
+same prompt ids, same sampler settings (entropy-bound, the checkpoint's
+temperature schedule, temperature 1.0 = categorical sampling, full canvases,
+fixed step budget), same process and machine; runs are interleaved and the
+median of ``--repeats`` timed runs (after one warm-up each) is reported.
+
+    .venv/bin/python scripts/bench_runtime.py                  # tiny + small, f32 + q4
+    .venv/bin/python scripts/bench_runtime.py --sizes tiny --dtypes f32 --json out.json
+
+mlx-vlm must be importable from ``--peer`` (default .peer/, installed with
+``pip install --no-deps --target .peer mlx-vlm==0.7.10 requests certifi
+charset-normalizer idna urllib3 pillow``); without it only dlm is timed.
+
+Metrics: committed tokens/s = generated tokens / (wall time of the call minus
+its prefill); ms per denoising step = that time / decoder passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SIZES = {
+    # The test suite's tiny checkpoint (reference §2.6 geometry, canvas 8).
+    "tiny": dict(canvas=8, text={}),
+    # Wider/deeper, real-ish proportions, canvas 32: less dominated by per-step overhead.
+    "small": dict(canvas=32, text=dict(
+        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+        num_global_key_value_heads=1, sliding_window=64, num_experts=16, top_k_experts=4,
+        moe_intermediate_size=128)),
+}
+DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4)}
+
+
+def build(work: Path, size: str, dtype: str) -> Path:
+    from runtime_helpers import convert_dir
+    from tiny_checkpoints import build_diffusion_gemma
+
+    hf = work / f"{size}-hf"
+    if not (hf / "config.json").exists():
+        spec = SIZES[size]
+        build_diffusion_gemma(hf, form="hub", canvas_length=spec["canvas"], text_overrides=spec["text"])
+    out = work / f"{size}-{dtype}"
+    if not (out / "config.json").exists():
+        convert_dir(hf, out, **DTYPES[dtype])
+    return out
+
+
+def run_dlm(loaded, prompt_ids, max_tokens, steps, seed):
+    from dlm.runtime import api
+
+    start = time.perf_counter()
+    res = api.generate(loaded, prompt_ids, {
+        "max_tokens": max_tokens, "max_denoising_steps": steps, "diffusion_full_canvas": True,
+        "diffusion_sampler": "entropy-bound", "temp": 1.0, "seed": seed,
+    })
+    wall = time.perf_counter() - start
+    s = res.stats
+    return dict(tokens=len(res.token_ids), steps=s.forwards, gen_seconds=wall - s.prompt_seconds,
+                wall=wall, reported_tps=s.generation_tps)
+
+
+def run_vlm(model, processor, prompt_ids, max_tokens, steps, seed):
+    import mlx.core as mx
+    from mlx_vlm.generate.diffusion import stream_diffusion_generate
+
+    mx.random.seed(seed)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    start = time.perf_counter()
+    last = None
+    for last in stream_diffusion_generate(
+        model, processor, tokenizer, mx.array([prompt_ids]), None, None,
+        max_tokens=max_tokens, skip_special_token_ids=set(), temperature=1.0,
+        max_denoising_steps=steps, diffusion_full_canvas=True, diffusion_sampler="entropy-bound",
+    ):
+        pass
+    wall = time.perf_counter() - start
+    prompt_seconds = last.prompt_tokens / last.prompt_tps if last.prompt_tps else 0.0
+    return dict(tokens=last.generation_tokens, steps=last.diffusion_denoising_steps,
+                gen_seconds=wall - prompt_seconds, wall=wall, reported_tps=last.generation_tps)
+
+
+def summarize(runs):
+    gen = statistics.median(r["gen_seconds"] for r in runs)
+    tokens, steps = runs[0]["tokens"], runs[0]["steps"]
+    return dict(tokens=tokens, steps=steps, tokens_per_s=tokens / gen, ms_per_step=1000 * gen / steps,
+                median_gen_seconds=gen, median_wall=statistics.median(r["wall"] for r in runs),
+                reported_tps=statistics.median(r["reported_tps"] for r in runs))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(SIZES))
+    ap.add_argument("--dtypes", nargs="+", default=["f32", "q4"], choices=list(DTYPES))
+    ap.add_argument("--canvases", type=int, default=4, help="canvases per run")
+    ap.add_argument("--steps", type=int, default=16, help="denoising steps per canvas")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--work", default=str(ROOT / ".bench"))
+    ap.add_argument("--peer", default=str(ROOT / ".peer"))
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args()
+
+    import mlx.core as mx
+
+    from dlm.runtime import api
+
+    sys.path.append(a.peer)
+    try:
+        import mlx_vlm
+        from mlx_vlm import load as vlm_load
+        vlm_version = getattr(mlx_vlm, "__version__", "?")
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        print(f"mlx-vlm unavailable ({exc}); timing dlm only", file=sys.stderr)
+        vlm_load, vlm_version = None, None
+
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prompt_ids = [2, 105] + [(37 * i + 11) % 90 + 110 for i in range(40)] + [106, 10, 105]
+    results = []
+    for size in a.sizes:
+        for dtype in a.dtypes:
+            path = build(work, size, dtype)
+            loaded = api.load(path)
+            max_tokens = a.canvases * loaded.args.canvas_length
+            tools = {"dlm": lambda seed: run_dlm(loaded, prompt_ids, max_tokens, a.steps, seed)}
+            if vlm_load is not None:
+                vmodel, vproc = vlm_load(str(path))
+                tools["mlx-vlm"] = lambda seed: run_vlm(vmodel, vproc, prompt_ids, max_tokens, a.steps, seed)
+            runs = {name: [] for name in tools}
+            for name, fn in tools.items():
+                fn(0)  # warm-up
+            for r in range(a.repeats):
+                for name, fn in tools.items():
+                    runs[name].append(fn(r + 1))
+            row = {"size": size, "dtype": dtype, "canvas": loaded.args.canvas_length,
+                   **{name: summarize(v) for name, v in runs.items()}}
+            if "mlx-vlm" in row:
+                row["speedup"] = row["dlm"]["tokens_per_s"] / row["mlx-vlm"]["tokens_per_s"]
+            results.append(row)
+            line = f"{size:5s} {dtype:3s} canvas {row['canvas']:3d}"
+            for name in tools:
+                m = row[name]
+                line += (f" | {name}: {m['tokens_per_s']:8.1f} tok/s {m['ms_per_step']:7.2f} ms/step"
+                         f" ({m['tokens']} tok, {m['steps']} steps)")
+            if "speedup" in row:
+                line += f" | dlm/mlx-vlm {row['speedup']:.2f}x"
+            print(line, flush=True)
+            del loaded
+            mx.clear_cache()
+
+    meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "mlx": mx.__version__,
+            "mlx_vlm": vlm_version, "device": str(mx.default_device()), "machine": platform.machine(),
+            "canvases": a.canvases, "steps": a.steps, "repeats": a.repeats}
+    print(json.dumps(meta))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
