@@ -1,0 +1,205 @@
+"""Benchmark dlm's LLaDA-2 block unmasking against mlx-vlm 0.7.10 (not a test).
+
+Same converted checkpoint (dlm-convert output of a tiny random llada2_moe built
+by tests/tiny_llada2.py; mlx-vlm loads it as it is), same prompt ids, same
+settings (greedy, block length, steps, threshold), no stop token (both run the
+full budget), same process and machine; runs are interleaved and the median of
+``--repeats`` timed runs (after one warm-up each) is reported.
+
+    .venv/bin/python scripts/bench_llada2.py
+    .venv/bin/python scripts/bench_llada2.py --sizes tiny --steps 32 8 --json out.json
+
+Metrics per tool:
+  committed tok/s   tokens returned that are not mask tokens / wall time of the call
+  tok/forward       committed tokens / model forwards during generation
+                    (the prompt's prefill excluded; mlx-vlm's extra per-block
+                    cache-writing forward included)
+  masks left        mask tokens in the returned text (mlx-vlm has no transfer
+                    quota: with steps < block length blocks end half masked)
+
+mlx-vlm must be importable from ``--peer`` (default .peer/: ``pip install
+--no-deps --target .peer mlx-vlm==0.7.10 requests certifi charset-normalizer
+idna urllib3 pillow``); without it only dlm is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SIZES = {
+    "tiny": ("base", {}),  # the test suite's geometry
+    # Wider and deeper, real-ish proportions (LLaDA2.0-mini / 8).
+    "small": ("base", dict(vocab_size=4096, hidden_size=256, intermediate_size=640, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                           moe_intermediate_size=64, num_experts=32, num_experts_per_tok=8,
+                           n_group=8, topk_group=4)),
+}
+DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4)}
+
+
+def build(work: Path, size: str, dtype: str) -> Path:
+    from dlm.convert.pipeline import ConvertOptions, convert
+    from tiny_llada2 import build_llada2
+
+    geometry, overrides = SIZES[size]
+    hf = work / f"llada2-{size}-hf"
+    if not (hf / "config.json").exists():
+        build_llada2(hf, geometry, **overrides)
+    out = work / f"llada2-{size}-{dtype}"
+    if not (out / "config.json").exists():
+        convert(ConvertOptions(source=str(hf), output=str(out), progress=False, **DTYPES[dtype]),
+                echo=lambda s: None)
+    return out
+
+
+def run_dlm(loaded, prompt_ids, s):
+    from dlm.runtime.llada2_generate import Settings, stream_generate
+
+    settings = Settings(mask_token_id=loaded.args.mask_token_id, eos_token_ids=(), max_tokens=s["max_tokens"],
+                        block_length=s["block_length"], steps=s["steps"], threshold=s["threshold"],
+                        editing_threshold=None)
+    start = time.perf_counter()
+    tokens, final = [], None
+    for event in stream_generate(loaded, prompt_ids, settings, stop_ids=[]):
+        tokens.extend(event.token_ids)
+        final = event
+    wall = time.perf_counter() - start
+    mask = loaded.args.mask_token_id
+    return dict(committed=sum(t != mask for t in tokens), masks=sum(t == mask for t in tokens),
+                forwards=final.stats.forwards, wall=wall)
+
+
+class _ForwardCounter:
+    """Counts calls of mlx-vlm's inner model (every forward goes through it)."""
+
+    def __init__(self, module):
+        self.cls = type(module)
+        self.calls = 0
+        self.original = self.cls.__call__
+        counter = self
+
+        def counted(inner, *args, **kwargs):
+            counter.calls += 1
+            return counter.original(inner, *args, **kwargs)
+
+        self.cls.__call__ = counted
+
+    def close(self):
+        self.cls.__call__ = self.original
+
+
+def run_vlm(vmodel, prompt_ids, s, mask_id):
+    import mlx.core as mx
+
+    lm = vmodel.language_model
+    counter = _ForwardCounter(lm.model)
+    try:
+        start = time.perf_counter()
+        out = lm.generate(mx.array([prompt_ids]), temperature=0.0, block_length=s["block_length"],
+                          steps=s["steps"], gen_length=s["max_tokens"], threshold=s["threshold"],
+                          eos_id=-1, mask_id=mask_id, eos_early_stop=True)
+        tokens = out[0].tolist()
+        wall = time.perf_counter() - start
+    finally:
+        counter.close()
+    prefill = len(prompt_ids) // s["block_length"]
+    return dict(committed=sum(t != mask_id for t in tokens), masks=sum(t == mask_id for t in tokens),
+                forwards=counter.calls - prefill, wall=wall)
+
+
+def summarize(runs):
+    wall = statistics.median(r["wall"] for r in runs)
+    first = runs[0]
+    return dict(committed=first["committed"], masks=first["masks"], forwards=first["forwards"],
+                tokens_per_forward=first["committed"] / max(1, first["forwards"]),
+                committed_tps=first["committed"] / wall, median_wall=wall)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(SIZES))
+    ap.add_argument("--dtypes", nargs="+", default=["f32"], choices=list(DTYPES),
+                    help="q4: dlm's mixed recipe (mlx-vlm cannot load its per-module 8-bit entries, so dlm only)")
+    ap.add_argument("--steps", nargs="+", type=int, default=[32, 8], help="denoising steps per block")
+    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--threshold", type=float, default=0.95)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--work", default=str(ROOT / ".bench"))
+    ap.add_argument("--peer", default=str(ROOT / ".peer"))
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args()
+
+    import mlx.core as mx
+
+    from dlm.runtime import api
+
+    sys.path.append(a.peer)
+    try:
+        import mlx_vlm
+        from mlx_vlm import load as vlm_load
+        vlm_version = getattr(mlx_vlm, "__version__", "?")
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        print(f"mlx-vlm unavailable ({exc}); timing dlm only", file=sys.stderr)
+        vlm_load, vlm_version = None, None
+
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prompt_ids = [(37 * i + 11) % 90 + 5 for i in range(a.prompt_tokens)]
+    results = []
+    for size in a.sizes:
+        for dtype in a.dtypes:
+            path = build(work, size, dtype)
+            loaded = api.load(path)
+            mask_id = loaded.args.mask_token_id
+            vmodel = vlm_load(str(path))[0] if vlm_load is not None and dtype == "f32" else None
+            for steps in a.steps:
+                s = dict(max_tokens=a.max_tokens, block_length=a.block_length, steps=steps, threshold=a.threshold)
+                tools = {"dlm": lambda: run_dlm(loaded, prompt_ids, s)}
+                if vmodel is not None:
+                    tools["mlx-vlm"] = lambda: run_vlm(vmodel, prompt_ids, s, mask_id)
+                for fn in tools.values():
+                    fn()  # warm-up
+                runs = {name: [] for name in tools}
+                for _ in range(a.repeats):
+                    for name, fn in tools.items():
+                        runs[name].append(fn())
+                row = {"size": size, "dtype": dtype, **s, **{n: summarize(v) for n, v in runs.items()}}
+                if "mlx-vlm" in row:
+                    row["speedup"] = row["dlm"]["committed_tps"] / max(row["mlx-vlm"]["committed_tps"], 1e-9)
+                results.append(row)
+                line = f"{size:5s} {dtype:3s} steps {steps:2d}"
+                for name in tools:
+                    m = row[name]
+                    line += (f" | {name}: {m['committed_tps']:7.1f} committed tok/s, "
+                             f"{m['tokens_per_forward']:.2f} tok/forward ({m['committed']} tok, "
+                             f"{m['forwards']} fwd, {m['masks']} masks left)")
+                if "speedup" in row:
+                    line += f" | dlm/mlx-vlm {row['speedup']:.2f}x"
+                print(line, flush=True)
+            del loaded, vmodel
+            mx.clear_cache()
+
+    meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "mlx": mx.__version__,
+            "mlx_vlm": vlm_version, "device": str(mx.default_device()), "machine": platform.machine(),
+            "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens, "repeats": a.repeats}
+    print(json.dumps(meta))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
