@@ -159,7 +159,7 @@ def test_cli_report_and_model_card(conversions, reference_bundle, tmp_path):
     # Rerun replaces the section instead of appending a second one.
     again = CliRunner().invoke(main, [str(model), "--bundle", str(reference_bundle), "--update-card",
                                       "--thresholds", str(thresholds), "--steps", "8",
-                                      "--stream-prompts", "1", "-q"])
+                                      "--stream-prompts", "1", "--no-implementation", "-q"])
     assert again.exit_code == 0, again.output
     assert (model / "README.md").read_text().count("<!-- dlm-verify:begin -->") == 1
 

@@ -175,7 +175,8 @@ class Report:
             verdict = {"pass": "pass", "fail": "**FAIL**", "skip": "skipped"}[c.status]
             measured = self._numbers(c) if c.status != "skip" else c.note
             bounds = self._bounds(c) if c.status != "skip" else ""
-            lines.append(f"| {c.title} | {verdict} | {measured} | {bounds} |")
+            cells = [c.title, verdict, measured, bounds]
+            lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
         lines.append("")
         lines.append(
             f"Reproduce: `dlm-verify --parity <this model> --reference {src} --reference-dtype "

@@ -117,7 +117,9 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None) -> 
     settings = adapter.stream_settings(config, generation_config, blocks=options.canvases, steps=options.steps)
     stream_idx = _stream_indices(len(prompts), options.stream_prompts)
     original = _run_reference(adapter, ref, cases, prompts, stream_idx, settings, options.progress, "reference")
-    original.meta = dict(source=reference, revision=options.revision, path=str(ref_path),
+    local = Path(reference).expanduser().is_dir()
+    original.meta = dict(source=str(ref_path.resolve()) if local else reference,
+                         revision=options.revision, path=str(ref_path),
                          dtype=options.reference_dtype, versions=_versions())
     del ref
     bundle = B.Bundle(
