@@ -65,6 +65,8 @@ def test_float_conversion_stacks_experts_and_matches_reference(hub, tmp_path):
     assert "lm_head.weight" in got and "model.layers.1.mlp.gate_proj.weight" in got  # 2 dense layers
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["dlm"]["source"] == str(src.resolve()) and "quantization" not in cfg
+    card = (out / "README.md").read_text()
+    assert "--block-length" in card and "dlm-verify:begin" in card and "library_name: mlx" in card
     loaded = api.load(out)
     ids = api.encode_prompt(loaded, "Hello, LLaDA!")
     want = ref(torch.tensor([ids]))[0].numpy()
