@@ -268,3 +268,22 @@ def test_reference_from_the_hf_cache_offline(tiny_dg_dir, tmp_path, monkeypatch)
     assert data.original.meta["source"] == "tiny-org/tiny-dg" and len(data.cases) == 5
     with pytest.raises(DlmError, match="HF_HUB_OFFLINE|cache"):
         record("tiny-org/absent", Options(reference="tiny-org/absent", progress=False))
+
+
+def test_drift_check_flags_extra_denoising_steps():
+    """Quantized logits that make the entropy-bound sampler run longer (field
+    notes §6.1) fail the drift check on steps per canvas."""
+    from dlm.verify.checks import check_drift
+    from dlm.verify.weights import Precision
+
+    logits = {"c": np.array([[0.0, 5.0, 1.0]], np.float32)}
+    ref = _stream([[1]] * 3, [[[1, 2]]] * 3, [[[5.0, 1.0]]] * 3, [1])
+    slow = _stream([[1]] * 9, [[[1, 2]]] * 9, [[[5.0, 1.0]]] * 9, [1])
+    q4 = Precision("q4", "float32", 4, "affine")
+    result = check_drift(logits, logits, [ref], [slow], q4)
+    assert result.status == "fail" and result.metrics["steps_ratio"] == 3.0
+    assert result.metrics["steps_delta"] == 6.0 and result.metrics["commit_match"] == 1.0
+    assert any("steps_ratio" in f for f in result.failures)
+    assert check_drift(logits, logits, [ref], [ref], q4).status == "pass"
+    unquantized = Precision("float32", "float32", None, None)
+    assert check_drift(logits, logits, [ref], [slow], unquantized).status == "skip"

@@ -91,7 +91,14 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, thresholds, 
          revision, reference_dtype, prompts_file, no_builtin_prompts, canvases, steps, stream_prompts,
          trust_remote_code, torch_threads, quiet):
     """Check a converted MLX model against its PyTorch reference (logits,
-    implementation parity, quantization drift, debug-canvas commit streams)."""
+    implementation parity, quantization drift, debug-canvas commit streams).
+
+    
+      dlm-verify --parity MLX_DIR [--reference REPO_OR_DIR] [--report r.json] [--update-card]
+      dlm-verify MLX_DIR --bundle BUNDLE      (compare with a recorded bundle)
+      dlm-verify record --reference REPO_OR_DIR -o BUNDLE [--mlx MLX_DIR]
+
+    Exit status: 0 passed, 1 a check failed, 2 bad input / reference not loadable."""
     if ctx.invoked_subcommand is not None:
         return
     if not mlx_dir:
