@@ -257,8 +257,13 @@ def run_parity(mlx_dir, options: Options) -> Report:
     timings["implementation"] = time.perf_counter() - t
 
     thr = options.thresholds
-    results = [C.check_logits("logits", bundle.original.logits, mlx_logits, prec, thr,
-                              note=f"reference in {bundle.original.meta.get('dtype', '?')}")]
+    ref_dtype = bundle.original.meta.get("dtype", "float32")
+    # A half-precision reference cannot hold a float32 model to float32 bounds.
+    vs_original = prec
+    if ref_dtype != "float32" and prec.compute_dtype == "float32":
+        vs_original = W.Precision(prec.label, ref_dtype, prec.bits, prec.mode)
+    results = [C.check_logits("logits", bundle.original.logits, mlx_logits, vs_original, thr,
+                              note=f"reference in {ref_dtype}")]
     if matched is not None:
         results.append(C.check_logits("implementation", matched.logits, mlx_logits, prec, thr,
                                       note=matched_note))
@@ -271,7 +276,7 @@ def run_parity(mlx_dir, options: Options) -> Report:
                                              note="vs the reference with the MLX weights",
                                              original=bundle.original.streams))
     elif not prec.quantized:
-        results.append(C.check_commit_stream(bundle.original.streams, mlx_streams, prec, thr,
+        results.append(C.check_commit_stream(bundle.original.streams, mlx_streams, vs_original, thr,
                                              note="vs the original reference"))
     else:
         results.append(C.skipped("commit_stream", "quantized model without the same-weights reference"))
