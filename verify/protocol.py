@@ -50,8 +50,9 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     the same inputs; when they are already present, use them unchanged.
 
 ``mlx_logits(loaded, case) -> np.ndarray``
-    The same forward pass on the converted MLX model (``loaded`` is
-    ``dlm.runtime.api.load(path)``), float32 ``[positions, vocab]``.
+    The same forward pass on the converted MLX model (``loaded``: a
+    ``dlm.runtime.loader.LoadedModel``, loaded with ``tokenizer=False``:
+    prompts are token ids already), float32 ``[positions, vocab]``.
 
 ``stream_settings(config, generation_config, *, blocks, steps) -> dict``
     JSON-able settings of the deterministic generation compared by the commit
@@ -63,7 +64,12 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     Deterministic generation in each framework (DiffusionGemma: the debug
     canvas of reference §4.9; LLaDA-2: greedy-fixed sampling), with a per-step
     trace: the argmax of every denoising step and the top-K logits at every
-    position (``CommitStream`` below; build it with ``TraceRecorder``).
+    position (``CommitStream`` below; build it with ``TraceRecorder``). The
+    MLX side must drive the runtime's own loop (``dlm.runtime.api
+    .stream_generate``, per-step logits through its ``on_step`` hook), not a
+    copy of it. Block tokens are the committed tokens as the runtime emits
+    them (DiffusionGemma: cut before the first EOS; apply the same cut to the
+    reference); ``finish_reason`` "stop" | "length".
 
 ``compute_dtype(loaded) -> str`` (optional)
     The dtype the MLX model computes in ("float32", "bfloat16", ...). Default:
