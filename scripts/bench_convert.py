@@ -12,6 +12,17 @@ child's peak RSS (getrusage of a fresh intermediate process).
 
 Peak RSS should not grow with the layer count: dlm-convert holds one 64 MB
 row chunk of one tensor at a time.
+
+Measured (Linux, 2 shared vCPU, 23 GB RAM, mlx 0.32.4 CPU, `--layers 2 6 --peer .peer`):
+
+| tool | layers | source GB | wall s | peak RSS MB |
+|---|---|---|---|---|
+| dlm q4 | 2 | 4.8 | 50.6 | 153 |
+| mlx-vlm 0.7.10 q4 | 2 | 4.8 | 78.8 | 4986 |
+| dlm q4 | 6 | 11.31 | 85.4 | 153 |
+| mlx-vlm 0.7.10 q4 | 6 | 11.31 | 111.8 | 6081 |
+
+Both tools wrote bit-identical tensors and the same quantization block (1-layer check).
 """
 
 from __future__ import annotations
