@@ -415,7 +415,11 @@ def post_then_hang_up(base, body, until):
 def test_disconnects_while_generating_or_queued_cancel_the_request(served):
     base, worker = served
     # A non-streaming client that gives up while its request runs.
-    post_then_hang_up(base, {"messages": MSGS, **LONG}, lambda: worker.busy and worker.current.polls > 2)
+    def generating():
+        job = worker.current
+        return job is not None and job.polls > 2
+
+    post_then_hang_up(base, {"messages": MSGS, **LONG}, generating)
     assert worker.wait_idle(10)
     job = worker.last_job
     assert job.last_item is None or job.last_item.finish_reason in (None, "cancelled")
