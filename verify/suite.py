@@ -156,9 +156,12 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, adapter, options: Options) -> 
 
 
 def _generation_config_differences(settings: dict, generation_config: dict) -> list[str]:
+    def norm(x):
+        return x if isinstance(x, list) else [x] if isinstance(x, int) and not isinstance(x, bool) else x
+
     out = []
     for key, value in settings.items():
-        if key in generation_config and generation_config[key] != value:
+        if key in generation_config and norm(generation_config[key]) != norm(value):
             mine = generation_config[key]
             if isinstance(mine, (int, float)) and isinstance(value, (int, float)) and float(mine) == float(value):
                 continue
