@@ -455,6 +455,12 @@ def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
         body = RequestError(exc.status_code, str(exc.detail)).body()
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        body = RequestError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                            err_type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.model_id, "worker": server.worker.status()}
