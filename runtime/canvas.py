@@ -87,6 +87,40 @@ class DebugDraws:
         return mx.argmax(proc, axis=-1).astype(mx.int32)
 
 
+@mx.compile
+def _score(logits: mx.array, t: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Processed logits (logits / T), their argmax and per-position entropy, fused."""
+    proc = logits / t
+    return proc, mx.argmax(proc, axis=-1).astype(mx.int32), S.token_entropy(proc)
+
+
+@mx.compile
+def _entropy_bound_step(entropy, sample, noise, bound):
+    return mx.where(S.entropy_bound_accept(entropy, bound), sample, noise)
+
+
+@mx.compile
+def _confidence_step(proc, canvas, revealed, sample, noise, threshold):
+    top1 = mx.exp(proc.max(axis=-1) - mx.logsumexp(proc, axis=-1))
+    new = S.confidence_accept(top1, revealed, threshold)
+    canvas = mx.where(revealed, canvas, mx.where(new, sample, noise))
+    return canvas, revealed | new
+
+
+@mx.compile
+def _stable_confident(argmax, history, entropy, threshold):
+    return S.stable(argmax, history, len(history)) & S.confident(entropy, threshold)
+
+
+def _stable_and_confident(argmax, history, entropy, config: "DenoiseConfig") -> Optional[mx.array]:
+    """The stop flag, or None when the history is too short to be stable (no host sync needed)."""
+    window = config.stability_threshold
+    if window and len(history) < window:
+        return None
+    return _stable_confident(argmax, history[-window:] if window else [], entropy,
+                             config.confidence_threshold)
+
+
 Decode = Callable[[mx.array, Optional[mx.array]], mx.array]
 StepHook = Callable[[int, mx.array, mx.array], None]
 
@@ -120,39 +154,28 @@ def denoise_canvas(
             return CanvasResult(argmax, steps, False, cancelled=True)
         logits = decode(canvas, sc_logits)
         steps += 1
-        if schedule:
-            t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max)
-            proc = logits / mx.array(t)
-        else:
-            proc = logits
-        argmax = mx.argmax(proc, axis=-1).astype(mx.int32)
+        t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
+        proc, argmax, entropy = _score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
         if on_step is not None:
             on_step(steps - 1, logits, argmax)
-        entropy = S.token_entropy(proc)
         sample = draws.sample(proc, config.temperature)
+        noise = draws.canvas(shape)  # drawn every step, as the reference does
         if confidence_sampler:
-            top1 = mx.exp(proc.max(axis=-1) - mx.logsumexp(proc, axis=-1))
-            new = S.confidence_accept(top1, revealed, config.threshold)
-            keep = mx.where(new, sample, draws.canvas(shape))
-            canvas = mx.where(revealed, canvas, keep)
-            revealed = revealed | new
+            canvas, revealed = _confidence_step(proc, canvas, revealed, sample, noise, config.threshold)
         else:
-            accept = S.entropy_bound_accept(entropy, config.entropy_bound)
-            canvas = mx.where(accept, sample, draws.canvas(shape))
+            canvas = _entropy_bound_step(entropy, sample, noise, config.entropy_bound)
         sc_logits = proc.astype(config.sc_dtype)
 
         stop = None
         if adaptive:
-            stop = S.stable(argmax, history, config.stability_threshold) & S.confident(
-                entropy, config.confidence_threshold
-            )
+            stop = _stable_and_confident(argmax, history, entropy, config)
             if config.stability_threshold:
                 history = (history + [argmax])[-config.stability_threshold :]
         if confidence_sampler:
             done = mx.all(revealed)
             stop = done if stop is None else stop | done
-        if stop is not None:
-            if cur_step > 1 and stop.item():
+        if stop is not None and cur_step > 1:
+            if stop.item():  # the one host sync of a step
                 return CanvasResult(argmax, steps, True)
         else:
             mx.async_eval(canvas, sc_logits, argmax)

@@ -14,7 +14,8 @@ mlx-vlm must be importable from ``--peer`` (default .peer/, installed with
 charset-normalizer idna urllib3 pillow``); without it only dlm is timed.
 
 Metrics: committed tokens/s = generated tokens / (wall time of the call minus
-its prefill); ms per denoising step = that time / decoder passes.
+its prefill); ms per denoising step = that time / decoder passes; best of the
+repeats (the least disturbed run on a shared machine; medians are in --json).
 """
 
 from __future__ import annotations
@@ -95,11 +96,12 @@ def run_vlm(model, processor, prompt_ids, max_tokens, steps, seed):
 
 
 def summarize(runs):
-    gen = statistics.median(r["gen_seconds"] for r in runs)
+    # Best-of-N: on a shared machine the fastest run is the least disturbed one.
+    gen = min(r["gen_seconds"] for r in runs)
     tokens, steps = runs[0]["tokens"], runs[0]["steps"]
     return dict(tokens=tokens, steps=steps, tokens_per_s=tokens / gen, ms_per_step=1000 * gen / steps,
-                median_gen_seconds=gen, median_wall=statistics.median(r["wall"] for r in runs),
-                reported_tps=statistics.median(r["reported_tps"] for r in runs))
+                best_gen_seconds=gen, median_gen_seconds=statistics.median(r["gen_seconds"] for r in runs),
+                reported_tps=max(r["reported_tps"] for r in runs))
 
 
 def main():
@@ -108,7 +110,7 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["f32", "q4"], choices=list(DTYPES))
     ap.add_argument("--canvases", type=int, default=4, help="canvases per run")
     ap.add_argument("--steps", type=int, default=16, help="denoising steps per canvas")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--work", default=str(ROOT / ".bench"))
     ap.add_argument("--peer", default=str(ROOT / ".peer"))
     ap.add_argument("--json", default=None, help="write the results here")

@@ -190,8 +190,8 @@ class Attention(nn.Module):
         return self._rope(q, offset), self._rope(k, offset), v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: PrefixCache, encode: bool) -> mx.array:
-        """Attention output before o_proj, [B, S, heads * d]."""
-        B, _, S, _ = q.shape
+        """Attention output before o_proj, [B, heads, S, d] (see ``output``)."""
+        S = q.shape[2]
         if encode:
             n_prev = cache.length
             keys, values = cache.update(k, v)
@@ -201,11 +201,14 @@ class Attention(nn.Module):
             if cache.keys is not None:
                 keys = mx.concatenate([cache.keys, k], axis=2)
                 values = mx.concatenate([cache.values, v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
-        return out.transpose(0, 2, 1, 3).reshape(B, S, -1)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+
+    def output(self, attn: mx.array) -> mx.array:
+        B, _, S, _ = attn.shape
+        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(B, S, -1))
 
     def __call__(self, x: mx.array, cache: PrefixCache, offset: int, encode: bool) -> mx.array:
-        return self.o_proj(self.attend(*self.project(x, offset), cache, encode))
+        return self.output(self.attend(*self.project(x, offset), cache, encode))
 
 
 class MLP(nn.Module):
@@ -337,7 +340,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), offset)
 
     def _finish(self, x: mx.array, attn: mx.array, scalar: mx.array) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn.o_proj(attn))
+        h = x + self.post_attention_layernorm(self.self_attn.output(attn))
         m1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         flat = h.reshape(-1, h.shape[-1])
         weights, idx = self.router(flat)  # routed on the raw residual
