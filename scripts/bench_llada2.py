@@ -14,6 +14,8 @@ Metrics per tool:
   tok/forward       committed tokens / model forwards during generation
                     (the prompt's prefill excluded; mlx-vlm's extra per-block
                     cache-writing forward included)
+  same tokens       fraction of positions where both tools return the same token
+                    (1.00 expected where mlx-vlm's rule equals the reference: steps = block length)
   masks left        mask tokens in the returned text (mlx-vlm has no transfer
                     quota: with steps < block length blocks end half masked)
 
@@ -78,7 +80,7 @@ def run_dlm(loaded, prompt_ids, s):
     wall = time.perf_counter() - start
     mask = loaded.args.mask_token_id
     return dict(committed=sum(t != mask for t in tokens), masks=sum(t == mask for t in tokens),
-                forwards=final.stats.forwards, wall=wall)
+                forwards=final.stats.forwards, wall=wall, tokens=tokens)
 
 
 class _ForwardCounter:
@@ -116,7 +118,7 @@ def run_vlm(vmodel, prompt_ids, s, mask_id):
         counter.close()
     prefill = len(prompt_ids) // s["block_length"]
     return dict(committed=sum(t != mask_id for t in tokens), masks=sum(t == mask_id for t in tokens),
-                forwards=counter.calls - prefill, wall=wall)
+                forwards=counter.calls - prefill, wall=wall, tokens=tokens)
 
 
 def summarize(runs):
@@ -179,6 +181,8 @@ def main():
                         runs[name].append(fn())
                 row = {"size": size, "dtype": dtype, **s, **{n: summarize(v) for n, v in runs.items()}}
                 if "mlx-vlm" in row:
+                    a_tok, b_tok = runs["dlm"][0]["tokens"], runs["mlx-vlm"][0]["tokens"]
+                    row["same_tokens"] = sum(x == y for x, y in zip(a_tok, b_tok)) / max(1, len(a_tok))
                     row["speedup"] = row["dlm"]["committed_tps"] / max(row["mlx-vlm"]["committed_tps"], 1e-9)
                 results.append(row)
                 line = f"{size:5s} {dtype:3s} steps {steps:2d}"
@@ -188,7 +192,7 @@ def main():
                              f"{m['tokens_per_forward']:.2f} tok/forward ({m['committed']} tok, "
                              f"{m['forwards']} fwd, {m['masks']} masks left)")
                 if "speedup" in row:
-                    line += f" | dlm/mlx-vlm {row['speedup']:.2f}x"
+                    line += f" | dlm/mlx-vlm {row['speedup']:.2f}x, same tokens {row['same_tokens']:.2f}"
                 print(line, flush=True)
             del loaded, vmodel
             mx.clear_cache()

@@ -107,6 +107,8 @@ def test_model_args_real_config_values():
     args = L.ModelArgs.from_config(cfg)
     assert (args.rotary_dim, args.mask_token_id, args.eos_token_ids) == (8, 255, [252])
     assert args.use_bias is False and args.tie_word_embeddings is False
+    # The hub derives the rotary width from partial_rotary_factor; config rotary_dim is ignored.
+    assert L.ModelArgs.from_config(dict(cfg, rotary_dim=2)).rotary_dim == 8
     mini = dict(cfg, vocab_size=157184, hidden_size=2048, head_dim=128, num_experts=256,
                 n_group=8, topk_group=4, num_experts_per_tok=8, pad_token_id=156892)
     del mini["mask_token_id"]

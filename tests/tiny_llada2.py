@@ -67,8 +67,11 @@ def hub_config(geometry: str = "base", **overrides) -> dict:
         pad_token_id=EOS_ID, mask_token_id=MASK_ID, dtype="float32",
     )
     cfg.update(GEOMETRIES[geometry])
-    cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
     cfg.update(overrides)
+    # Informational in the hub config (the hub code derives it from the partial factor).
+    cfg.setdefault("rotary_dim", None)
+    if "rotary_dim" not in overrides:
+        cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
     return cfg
 
 
