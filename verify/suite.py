@@ -97,7 +97,8 @@ def _stream_indices(n_prompts: int, stream_prompts: Optional[int]) -> list[int]:
     return list(range(k))
 
 
-def record(reference: str, options: Options, mlx_dir: Optional[Path] = None) -> B.Bundle:
+def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
+           expect_family: Optional[str] = None) -> B.Bundle:
     """Run the PyTorch reference on the suite's cases and streams."""
     import torch  # noqa: F401  (clear ImportError before any work)
 
@@ -106,6 +107,8 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None) -> 
     ref_path = resolve_reference(reference, options.revision)
     config = _read_json(ref_path / "config.json")
     family, adapter = _adapter(config, str(ref_path / "config.json"))
+    if expect_family and family.name != expect_family:
+        raise ConfigError(f"reference {reference} is a {family.name} model; the converted model is {expect_family}")
     ref = adapter.load_reference(ref_path, dtype=options.reference_dtype,
                                  trust_remote_code=options.trust_remote_code)
     generation_config = getattr(ref, "generation_config", None) or {}
@@ -201,9 +204,6 @@ def run_parity(mlx_dir, options: Options) -> Report:
     t = time.perf_counter()
     if options.bundle:
         bundle = B.load(Path(options.bundle))
-        if bundle.family != family.name:
-            raise ConfigError(f"bundle {options.bundle} is for {bundle.family}, the model is {family.name}")
-        _check_compatible(bundle, config, str(mlx_dir / "config.json"))
         if options.prompts_file:
             notes.append("--prompts ignored: the bundle's prompts are used")
         reference = dict(bundle.original.meta, bundle=str(bundle.path))
@@ -218,8 +218,12 @@ def run_parity(mlx_dir, options: Options) -> Report:
                 "pass --reference HF_REPO_OR_DIR or --bundle"
             )
         live = Options(**{**options.__dict__, "reference": source, "revision": revision})
-        bundle = record(source, live)
+        bundle = record(source, live, expect_family=family.name)
         reference = dict(bundle.original.meta)
+    what = f"bundle {options.bundle}" if options.bundle else f"reference {reference.get('source')}"
+    if bundle.family != family.name:
+        raise ConfigError(f"{what} is a {bundle.family} model; {mlx_dir} is {family.name}")
+    _check_compatible(bundle, config, str(mlx_dir / "config.json"))
     timings["reference"] = time.perf_counter() - t
 
     t = time.perf_counter()
