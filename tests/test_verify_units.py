@@ -287,3 +287,11 @@ def test_drift_check_flags_extra_denoising_steps():
     assert check_drift(logits, logits, [ref], [ref], q4).status == "pass"
     unquantized = Precision("float32", "float32", None, None)
     assert check_drift(logits, logits, [ref], [slow], unquantized).status == "skip"
+
+
+def test_error_when_reference_is_another_family(f32, tmp_path):
+    from tiny_llada2 import build_llada2
+
+    build_llada2(tmp_path / "llada2")
+    r = _cli([str(f32), "--reference", str(tmp_path / "llada2"), "-q"])
+    assert r.exit_code == 2 and "llada2_moe" in r.output and "diffusion_gemma" in r.output
