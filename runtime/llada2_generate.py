@@ -280,8 +280,13 @@ def reveal(active, conf, threshold: float, quota: int):
     ``quota`` of them, else the ``quota`` most confident active positions."""
     conf = mx.where(active, conf, -mx.inf)
     high = conf > threshold
-    rank = mx.argsort(mx.argsort(-conf))
-    top = (rank < quota) & active
+    # Rank = positions ahead in (confidence desc, position asc): exact ties go
+    # to the lowest position, as in the reference.
+    n = conf.shape[-1]
+    ahead = (conf[None, :] > conf[:, None]) | (
+        (conf[None, :] == conf[:, None]) & (mx.arange(n)[None, :] < mx.arange(n)[:, None])
+    )
+    top = (ahead.sum(-1) < quota) & active
     return mx.where(high.sum() >= quota, high, top)
 
 

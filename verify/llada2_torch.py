@@ -467,7 +467,7 @@ def generate(
                 else:
                     n = min(quota[s], int(active.sum()))
                     commit = torch.zeros_like(high)
-                    commit[torch.topk(conf, n).indices] = True
+                    commit[_most_confident(conf, n)] = True
                 window[0, start:end] = torch.where(commit, tok, window[0, start:end])
                 if trace is not None:
                     where = commit.nonzero()[:, 0]
@@ -491,6 +491,13 @@ def generate(
     g = x[0, P : P + gen_length].tolist()
     n = next((i for i, v in enumerate(g) if v in eos_ids), len(g) - 1)
     return torch.tensor(g[: n + 1], dtype=torch.long)
+
+
+def _most_confident(conf: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the n largest values; exact ties go to the lowest position
+    (the hub's topk leaves ties implementation-defined; dlm fixes the rule so
+    that both frameworks agree, e.g. on an all-mask block with no prompt)."""
+    return torch.sort(conf, descending=True, stable=True).indices[:n]
 
 
 def _block_final(block, gen_from, need, eos_ids, mask_id) -> bool:
@@ -529,7 +536,7 @@ def _edit_block(model, window, mask, pos, b, start, end, P, steps, quota, thresh
             if int(high.sum()) >= q:
                 commit = high
             else:
-                commit[torch.topk(conf, min(q, int(active.sum()))).indices] = True
+                commit[_most_confident(conf, min(q, int(active.sum())))] = True
         edit = editable_base & ~active & (tok != cur) & (p > editing_threshold)
         write = commit | edit
         window[0, start:end] = torch.where(write, tok, cur)
