@@ -58,6 +58,12 @@ class RandomDraws:
         self.key, sub = mx.random.split(self.key)
         return sub
 
+    def state(self):
+        return self.key
+
+    def restore(self, state) -> None:
+        self.key = state
+
     def canvas(self, shape: tuple[int, ...]) -> mx.array:
         return mx.random.randint(0, self.vocab, shape, dtype=mx.int32, key=self._key())
 
@@ -77,6 +83,12 @@ class DebugDraws:
     def __init__(self, vocab: int):
         self.vocab = vocab
         self.n = 0
+
+    def state(self):
+        return self.n
+
+    def restore(self, state) -> None:
+        self.n = state
 
     def canvas(self, shape: tuple[int, ...]) -> mx.array:
         pattern = S.debug_canvas_pattern(self.n, shape[-1], self.vocab)
@@ -125,6 +137,42 @@ Decode = Callable[[mx.array, Optional[mx.array]], mx.array]
 StepHook = Callable[[int, mx.array, mx.array], None]
 
 
+@dataclass
+class _Step:
+    logits: mx.array
+    argmax: mx.array
+    canvas: mx.array  # the next step's input
+    revealed: mx.array
+    sc_logits: mx.array
+    stop: Optional[mx.array]  # None: cannot stop after this step
+
+    def outputs(self) -> list[mx.array]:
+        out = [self.canvas, self.sc_logits, self.argmax, self.revealed]
+        return out if self.stop is None else out + [self.stop]
+
+
+def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_logits, revealed, history,
+                cur_step: int) -> _Step:
+    """The lazy graph of one denoising step (nothing is evaluated here)."""
+    logits = decode(canvas, sc_logits)
+    schedule = config.t_min is not None and config.t_max is not None
+    t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
+    proc, argmax, entropy = _score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
+    sample = draws.sample(proc, config.temperature)
+    noise = draws.canvas(canvas.shape)  # drawn every step, as the reference does
+    if config.sampler == S.CONFIDENCE_THRESHOLD:
+        canvas, revealed = _confidence_step(proc, canvas, revealed, sample, noise, config.threshold)
+    else:
+        canvas = _entropy_bound_step(entropy, sample, noise, config.entropy_bound)
+    stop = None
+    if config.stability_threshold is not None and config.confidence_threshold is not None:
+        stop = _stable_and_confident(argmax, history, entropy, config)
+    if config.sampler == S.CONFIDENCE_THRESHOLD:
+        done = mx.all(revealed)
+        stop = done if stop is None else stop | done
+    return _Step(logits, argmax, canvas, revealed, proc.astype(config.sc_dtype), stop)
+
+
 def denoise_canvas(
     decode: Decode,
     draws,
@@ -138,45 +186,37 @@ def denoise_canvas(
     """Run the denoising loop for one canvas of ``length`` positions.
 
     ``on_step(step_index, logits, argmax)`` (optional) sees every step's raw
-    float32 logits [B, L, V] and argmax [B, L] (parity traces)."""
+    float32 logits [B, L, V] and argmax [B, L] (parity traces).
+
+    Pipelined: step t runs (async_eval) while the host builds step t+1's graph;
+    step t+1 is evaluated only once step t's stop flag (the one host sync) says
+    to go on, so an early stop wastes no compute and no random draws.
+    """
     shape = (batch, length)
-    canvas = draws.canvas(shape)
-    sc_logits = None
+    if cancel is not None and cancel():
+        return CanvasResult(mx.zeros(shape, dtype=mx.int32), 0, False, cancelled=True)
+    window = config.stability_threshold or 0
     history: list[mx.array] = []
-    revealed = mx.zeros(shape, dtype=mx.bool_)
-    confidence_sampler = config.sampler == S.CONFIDENCE_THRESHOLD
-    adaptive = config.stability_threshold is not None and config.confidence_threshold is not None
-    schedule = config.t_min is not None and config.t_max is not None
-    argmax = canvas
+    step = _build_step(decode, draws, config, draws.canvas(shape), None,
+                       mx.zeros(shape, dtype=mx.bool_), history, config.steps)
+    mx.async_eval(*step.outputs())
     steps = 0
     for cur_step in range(config.steps, 0, -1):
-        if cancel is not None and cancel():
-            return CanvasResult(argmax, steps, False, cancelled=True)
-        logits = decode(canvas, sc_logits)
         steps += 1
-        t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
-        proc, argmax, entropy = _score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
         if on_step is not None:
-            on_step(steps - 1, logits, argmax)
-        sample = draws.sample(proc, config.temperature)
-        noise = draws.canvas(shape)  # drawn every step, as the reference does
-        if confidence_sampler:
-            canvas, revealed = _confidence_step(proc, canvas, revealed, sample, noise, config.threshold)
-        else:
-            canvas = _entropy_bound_step(entropy, sample, noise, config.entropy_bound)
-        sc_logits = proc.astype(config.sc_dtype)
-
-        stop = None
-        if adaptive:
-            stop = _stable_and_confident(argmax, history, entropy, config)
-            if config.stability_threshold:
-                history = (history + [argmax])[-config.stability_threshold :]
-        if confidence_sampler:
-            done = mx.all(revealed)
-            stop = done if stop is None else stop | done
-        if stop is not None and cur_step > 1:
-            if stop.item():  # the one host sync of a step
-                return CanvasResult(argmax, steps, True)
-        else:
-            mx.async_eval(canvas, sc_logits, argmax)
-    return CanvasResult(argmax, steps, False)
+            on_step(steps - 1, step.logits, step.argmax)
+        if window:
+            history = (history + [step.argmax])[-window:]
+        if cur_step == 1:
+            break
+        if cancel is not None and cancel():
+            return CanvasResult(step.argmax, steps, False, cancelled=True)
+        mark = draws.state()
+        following = _build_step(decode, draws, config, step.canvas, step.sc_logits, step.revealed,
+                                history, cur_step - 1)
+        if step.stop is not None and step.stop.item():  # the one host sync of a step
+            draws.restore(mark)  # the step that did not run drew nothing
+            return CanvasResult(step.argmax, steps, True)
+        mx.async_eval(*following.outputs())
+        step = following
+    return CanvasResult(step.argmax, steps, False)
