@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# dlm's main job, offline, on the bundled trained DiffusionGemma demo
+# (demo/diffusion_gemma_sort: a tiny model that sorts digits):
+#   1. convert it to 4-bit MLX (mixed recipe) with dlm-convert,
+#   2. prove the conversion faithful to the PyTorch reference with dlm-verify --parity,
+#   3. answer a task prompt with dlm-run generate.
+#
+#   scripts/demo.sh [OUTPUT_DIR] [DIGITS]
+#
+# Needs only the installed package (pip install -e .); no network, no Hub.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SRC="$ROOT/demo/diffusion_gemma_sort"
+OUT="${1:-${TMPDIR:-/tmp}/dlm-demo/diffusion_gemma_sort-4bit}"
+DIGITS="${2:-9081726354}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+# Prefer the repository's virtual environment when there is one.
+BIN=""
+if [ -x "$ROOT/.venv/bin/dlm-convert" ]; then BIN="$ROOT/.venv/bin/"; fi
+
+echo "== dlm-convert: $SRC -> $OUT (4-bit, mixed recipe)"
+mkdir -p "$(dirname "$OUT")"
+"${BIN}dlm-convert" "$SRC" -q --q-bits 4 -o "$OUT" --overwrite --no-progress
+
+echo
+echo "== dlm-verify --parity $OUT (reference: $SRC)"
+"${BIN}dlm-verify" --parity "$OUT" --reference "$SRC" --torch-threads 1 --quiet
+
+echo
+echo "== dlm-run generate: \"sort $DIGITS\" (expected: $(echo "$DIGITS" | grep -o . | sort | tr -d '\n'))"
+"${BIN}dlm-run" generate --model "$OUT" --prompt "sort $DIGITS" --seed 0 --profile
