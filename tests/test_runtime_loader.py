@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -181,3 +182,28 @@ def test_encode_prompt(tiny_dg_mlx_dir):
     assert thinking.startswith("<bos><|turn>system\n<|think|>")
     raw = api.encode_prompt(loaded, "hi", chat_template=False)
     assert raw == [2] + tok.encode("hi", add_special_tokens=False)
+
+
+PEER = Path(__file__).resolve().parents[1] / ".peer"
+
+
+@pytest.mark.skipif(not (PEER / "mlx_vlm").is_dir(), reason="mlx-vlm 0.7.10 not installed in .peer/")
+def test_mlx_vlm_conversion_loads_as_is(tiny_dg_dir, tiny_dg_torch, tmp_path):
+    """A conversion written by mlx-vlm (the mlx-community producer: mixed 8/4-bit
+    overrides, vision tower kept, generation_config embedded) runs unchanged and
+    equals dlm's own conversion with the same recipe."""
+    import os
+    import subprocess
+    import sys
+
+    from runtime_helpers import convert_dir
+
+    out = tmp_path / "vlm-q4"
+    env = {**os.environ, "PYTHONPATH": str(PEER), "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-m", "mlx_vlm.convert", "--hf-path", str(tiny_dg_dir),
+                    "--mlx-path", str(out), "-q", "--q-bits", "4"], env=env, check=True,
+                   capture_output=True)
+    vlm = api.load(out)
+    ours = api.load(convert_dir(tiny_dg_dir, tmp_path / "dlm-q4", quantize=True, q_bits=4))
+    assert np.array_equal(logits(vlm), logits(ours))
+    assert vlm.generation_config["eos_token_id"] == [1, 106, 50]
