@@ -18,7 +18,13 @@ Sampling: temperature 0 is argmax (the greedy fix); otherwise temperature /
 top-k / top-p, drawn by inverse CDF from a seeded uniform stream (numpy PCG64)
 so that the PyTorch reference draws the same samples. ``reference_sampling``
 reproduces the hub 2.0 sampler (temperature 0 still samples at temperature 1).
-LLaDA2.1 checkpoints add token-to-token editing (``editing_threshold``).
+LLaDA2.1 checkpoints add token-to-token editing (``editing_threshold``; on by
+default at 0.9 when the checkpoint is recognised as 2.1). Unlike the 2.1 hub
+code, whose mask is the raw 0/1 matrix (no blocking in effect), attention stays
+block-causal, as dllm's fix and the committed-block cache require.
+
+Mask predictions: the hub may commit the mask id as a token; dlm never samples
+it (``suppress_mask``), so no output holds a mask token.
 
 Stops: a block is final as soon as no masks remain before its first stop
 token (or before the output budget); generation stops after the block holding
