@@ -96,6 +96,7 @@ def _stream_rows(ref: list[CommitStream], mlx: list[CommitStream], tol: float) -
         row["divergence"] = div.to_dict() if div else None
         row["divergence_text"] = div.describe() if div else None
         row["near_tie"] = bool(div and div.near_tie(tol))
+        row["stop_decision"] = bool(div and div.stop_decision)
         rows.append(row)
     return rows
 
@@ -109,9 +110,12 @@ def check_commit_stream(ref: list[CommitStream], mlx: list[CommitStream], prec: 
     rows = _stream_rows(ref, mlx, tol)
     metrics = dict(
         identical_fraction=float(np.mean([r["identical"] for r in rows])),
-        # identical, or first diverging at a near-tie (both candidates within
-        # the tie tolerance in both frameworks): what the precision allows
-        explained_fraction=float(np.mean([r["identical"] or r["near_tie"] for r in rows])),
+        steps_match_fraction=float(np.mean([r["same_steps"] for r in rows])),
+        # identical tokens, or a first divergence the precision explains: a
+        # near-tie (both candidates within the tie tolerance in both
+        # frameworks) or a stop decision taken one step apart
+        explained_fraction=float(np.mean([r["identical"] or r["near_tie"] or r["stop_decision"]
+                                          for r in rows])),
         token_match=float(np.mean([r["token_match"] for r in rows])),
         prompts=len(rows),
         tokens=int(sum(r["reference_tokens"] for r in rows)),

@@ -123,7 +123,14 @@ class Divergence:
             reference_logits=self.reference_logits, mlx_logits=self.mlx_logits, reason=self.reason,
         )
 
+    @property
+    def stop_decision(self) -> bool:
+        """The traces agree step for step; one framework stopped earlier."""
+        return self.position < 0 and self.step is not None
+
     def describe(self) -> str:
+        if self.position < 0:
+            return f"canvas {self.block}: {self.reason}"
         step = "final commit" if self.step is None else f"step {self.step + 1}"
         return (
             f"canvas {self.block}, {step}, position {self.position}: reference {self.reference_token} "
@@ -163,9 +170,8 @@ def first_divergence(ref: CommitStream, mlx: CommitStream) -> Optional[Divergenc
                     "argmax differs at this denoising step",
                 )
         if rb.steps != mb.steps:
-            s = steps - 1 if steps else None
             return Divergence(
-                b, s, -1, -1, -1, {}, {},
+                b, steps, -1, -1, -1, {}, {},
                 f"same argmax for {steps} steps, then the reference ran {rb.steps} steps and MLX {mb.steps}",
             )
         if rb.tokens != mb.tokens:
@@ -193,6 +199,7 @@ def stream_metrics(ref: CommitStream, mlx: CommitStream) -> dict:
     k = min(len(rs), len(ms))
     return dict(
         identical=rt == mt and ref.finish_reason == mlx.finish_reason,
+        same_steps=rs == ms,
         token_match=same / n,
         reference_tokens=len(rt),
         mlx_tokens=len(mt),

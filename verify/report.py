@@ -18,14 +18,14 @@ SHOWN = {
     "implementation": ("max_abs", "mean_abs", "top1", "top1_tol", "kl_mean", "entropy_diff_max"),
     "drift": ("kl_mean", "top1", "top1_tol", "commit_match", "reference_steps_per_canvas", "mlx_steps_per_canvas",
               "steps_ratio"),
-    "commit_stream": ("identical_fraction", "explained_fraction", "token_match", "tokens",
+    "commit_stream": ("identical_fraction", "steps_match_fraction", "explained_fraction", "token_match", "tokens",
                       "vs_original_token_match"),
 }
 LABELS = {
     "max_abs": "max|Δ|", "mean_abs": "mean|Δ|", "top1": "top-1", "top1_tol": "top-1~", "kl_mean": "KL", "kl_max": "KLmax",
     "entropy_diff_max": "max|ΔH|", "entropy_diff_mean": "mean|ΔH|", "commit_match": "commits",
     "reference_steps_per_canvas": "steps ref", "mlx_steps_per_canvas": "steps mlx",
-    "steps_ratio": "steps×", "identical_fraction": "identical", "explained_fraction": "identical~", "token_match": "tokens",
+    "steps_ratio": "steps×", "identical_fraction": "identical", "explained_fraction": "identical~", "steps_match_fraction": "same steps", "token_match": "tokens",
     "tokens": "n", "vs_original_token_match": "vs orig",
 }
 

@@ -15,8 +15,9 @@ never failing). The defaults are meant for real checkpoints:
   committed tokens that match and the growth of denoising steps per canvas
   (quantized logits make the entropy-bound sampler run longer; field notes §6.1).
 * ``commit_stream`` (debug-canvas generation vs the reference with the same
-  weights): identical where the compute dtype is float32; in half precision
-  each stream must be identical or first diverge at a near-tie.
+  weights): identical tokens and steps per canvas where the compute dtype is
+  float32; in half precision each stream must be identical or first diverge
+  at a near-tie or at a stop decision.
 
 Tiny random test models are chaotic (1e-4 relative weight noise moves logits
 by ~0.5), so their drift numbers are not meaningful: pass ``--thresholds``
@@ -63,8 +64,9 @@ DEFAULTS: dict[str, dict[str, dict[str, Bound]]] = {
                "steps_ratio": ("<=", 1.5)},
     },
     "commit_stream": {
-        "float32": {"identical_fraction": (">=", 1.0)},
-        "half": {"explained_fraction": (">=", 1.0), "token_match": (">=", None)},
+        "float32": {"identical_fraction": (">=", 1.0), "steps_match_fraction": (">=", 1.0)},
+        "half": {"explained_fraction": (">=", 1.0), "token_match": (">=", None),
+                 "steps_match_fraction": (">=", None)},
     },
 }
 
