@@ -295,3 +295,20 @@ def test_error_when_reference_is_another_family(f32, tmp_path):
     build_llada2(tmp_path / "llada2")
     r = _cli([str(f32), "--reference", str(tmp_path / "llada2"), "-q"])
     assert r.exit_code == 2 and "llada2_moe" in r.output and "diffusion_gemma" in r.output
+
+
+def test_commit_stream_gates_steps_in_float32_and_explains_stop_decisions_in_half():
+    from dlm.verify.checks import check_commit_stream
+    from dlm.verify.weights import Precision
+
+    ref = _stream([[1], [1]], [[[1, 2]]] * 2, [[[5.0, 1.0]]] * 2, [1])
+    late = _stream([[1], [1], [1]], [[[1, 2]]] * 3, [[[5.0, 1.0]]] * 3, [1])  # stopped one step later
+    div = M.first_divergence(ref, late)
+    assert div.stop_decision and "reference ran 2 steps and MLX 3" in div.describe()
+    f32 = check_commit_stream([ref], [late], Precision("float32", "float32", None, None))
+    assert f32.status == "fail" and f32.metrics["identical_fraction"] == 1.0
+    assert f32.metrics["steps_match_fraction"] == 0.0
+    half = check_commit_stream([ref], [late], Precision("bfloat16", "bfloat16", None, None))
+    assert half.status == "pass" and half.metrics["explained_fraction"] == 1.0
+    wrong = _stream([[2], [2]], [[[2, 1]]] * 2, [[[9.0, 1.0]]] * 2, [2])  # a confident, different token
+    assert check_commit_stream([ref], [wrong], Precision("bfloat16", "bfloat16", None, None)).status == "fail"
