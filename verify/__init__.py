@@ -2,7 +2,10 @@
 
 Layout: ``protocol.py`` (the family plug-in protocol: read it before adding a
 family), ``reference_<family>.py`` (one adapter per family, found through
-``dlm.runtime.registry``), ``metrics.py`` / ``thresholds.py`` / ``checks.py``
-(shared numbers and verdicts), ``bundle.py`` (record once, compare anywhere),
-``report.py`` (JSON, terminal table, model-card section), ``cli.py``.
+``dlm.runtime.registry``), ``suite.py`` (record / run_parity orchestration),
+``metrics.py`` / ``thresholds.py`` / ``checks.py`` (shared numbers and
+verdicts), ``weights.py`` (precision, dequantized weights), ``source.py`` /
+``prompts.py`` (reference resolution, prompt ids), ``bundle.py`` (record once,
+compare anywhere), ``report.py`` (JSON, terminal table, model-card section),
+``cli.py``.
 """
