@@ -161,10 +161,22 @@ def cpu_expert_fallback(model) -> None:
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """AutoTokenizer from the directory. transformers' deprecation notices about the
+    model config (which it reads on the way) are not the user's business here."""
+    import warnings
+
     try:
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        finally:
+            hf_logging.set_verbosity(level)
     except Exception as exc:
         raise ConfigError(f"{path}: cannot load the tokenizer: {exc}") from None
 
