@@ -17,6 +17,8 @@ from typing import Any, Optional
 from .errors import ConfigError, DlmError, UnsupportedModelError, WeightError
 from .registry import Family, family_for_config
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
 
 @dataclass
 class LoadedModel:
@@ -165,6 +167,8 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     model config (which it reads on the way) are not the user's business here."""
     import warnings
 
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
     try:
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging

@@ -207,3 +207,10 @@ def test_mlx_vlm_conversion_loads_as_is(tiny_dg_dir, tiny_dg_torch, tmp_path):
     ours = api.load(convert_dir(tiny_dg_dir, tmp_path / "dlm-q4", quantize=True, q_bits=4))
     assert np.array_equal(logits(vlm), logits(ours))
     assert vlm.generation_config["eos_token_id"] == [1, 106, 50]
+
+
+def test_missing_tokenizer(copy_dir):
+    for f in copy_dir.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ConfigError, match="no tokenizer files"):
+        api.load(copy_dir)
