@@ -146,7 +146,10 @@ class _Step:
     sc_logits: mx.array
     stop: Optional[mx.array]  # None: cannot stop after this step
 
-    def outputs(self) -> list[mx.array]:
+    def outputs(self, last: bool = False) -> list[mx.array]:
+        """What to evaluate: the last step of a canvas only needs its argmax (the commit)."""
+        if last:
+            return [self.argmax]
         out = [self.canvas, self.sc_logits, self.argmax, self.revealed]
         return out if self.stop is None else out + [self.stop]
 
@@ -199,7 +202,7 @@ def denoise_canvas(
     history: list[mx.array] = []
     step = _build_step(decode, draws, config, draws.canvas(shape), None,
                        mx.zeros(shape, dtype=mx.bool_), history, config.steps)
-    mx.async_eval(*step.outputs())
+    mx.async_eval(*step.outputs(last=config.steps == 1))
     steps = 0
     for cur_step in range(config.steps, 0, -1):
         steps += 1
@@ -217,6 +220,6 @@ def denoise_canvas(
         if step.stop is not None and step.stop.item():  # the one host sync of a step
             draws.restore(mark)  # the step that did not run drew nothing
             return CanvasResult(step.argmax, steps, True)
-        mx.async_eval(*following.outputs())
+        mx.async_eval(*following.outputs(last=cur_step - 1 == 1))
         step = following
     return CanvasResult(step.argmax, steps, False)
