@@ -83,9 +83,12 @@ def _profile_lines(stats) -> list[str]:
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed canvas draws and sampling (same seed, same machine: same output).")
 @click.option("--temp", type=click.FloatRange(min=0.0), default=None,
-              help="Denoiser sampling temperature on top of the checkpoint schedule [1.0; 0 = argmax].")
-@click.option("--top-k", type=click.IntRange(min=0), default=None, help="Not used by DiffusionGemma.")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None, help="Not used by DiffusionGemma.")
+              help="DiffusionGemma: denoiser sampling temperature on top of the checkpoint's "
+                   "t_max->t_min schedule [1.0 = the reference; 0 = argmax]. LLaDA-2: sampling temperature.")
+@click.option("--top-k", type=click.IntRange(min=0), default=None,
+              help="LLaDA-2 sampling; refused by DiffusionGemma (no top-k in its sampler).")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None,
+              help="LLaDA-2 sampling; refused by DiffusionGemma (no top-p in its sampler).")
 @click.option("--block-length", type=click.IntRange(min=1), default=None,
               help="LLaDA-2: tokens per generation block [32].")
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=None,
