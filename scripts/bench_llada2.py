@@ -133,7 +133,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(SIZES))
     ap.add_argument("--dtypes", nargs="+", default=["f32"], choices=list(DTYPES),
-                    help="q4: dlm's mixed recipe (mlx-vlm cannot load its per-module 8-bit entries, so dlm only)")
+                    help="q4: dlm's mixed recipe (mlx-vlm loads the same directory)")
     ap.add_argument("--steps", nargs="+", type=int, default=[32, 8], help="denoising steps per block")
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--threshold", type=float, default=0.95)
@@ -167,7 +167,7 @@ def main():
             path = build(work, size, dtype)
             loaded = api.load(path)
             mask_id = loaded.args.mask_token_id
-            vmodel = vlm_load(str(path))[0] if vlm_load is not None and dtype == "f32" else None
+            vmodel = vlm_load(str(path))[0] if vlm_load is not None else None
             for steps in a.steps:
                 s = dict(max_tokens=a.max_tokens, block_length=a.block_length, steps=steps, threshold=a.threshold)
                 tools = {"dlm": lambda: run_dlm(loaded, prompt_ids, s)}
