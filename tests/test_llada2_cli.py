@@ -76,5 +76,5 @@ def test_generate_errors(converted, flags, message):
     model, _ = converted
     r = invoke(model, "--prompt", "Hi", "--max-tokens", "4", *flags)
     assert r.exit_code == 1
-    assert f"error: " in r.output and message in r.output
+    assert "error: " in r.output and message in r.output
     assert "Traceback" not in r.output
