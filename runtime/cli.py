@@ -43,13 +43,17 @@ def _fail(message: str, code: int = 1):
     sys.exit(code)
 
 
+_PLURAL = {"canvas": "Canvases", "block": "Blocks"}
+
+
 def _profile_lines(stats) -> list[str]:
     steps = stats.steps_per_block
     mean = sum(steps) / len(steps) if steps else 0.0
     return [
         f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec",
         f"Generation: {stats.completion_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec",
-        f"Canvases: {len(steps)}, denoising steps per canvas: {steps} (mean {mean:.1f}), "
+        f"{_PLURAL.get(stats.block_name, stats.block_name)}: {len(steps)}, denoising steps per {stats.block_name}: "
+        f"{steps} (mean {mean:.1f}), "
         f"stopped early: {stats.early_stops}",
         f"Tokens per forward: {stats.tokens_per_forward:.3f} ({stats.forwards} forwards)",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",

@@ -18,6 +18,7 @@ class GenerationStats:
     early_stops: int = 0  # canvases/blocks that stopped before the step budget
     forwards: int = 0  # decoder/model forwards spent on generation
     peak_memory_gb: float = 0.0
+    block_name: str = "canvas"  # what steps_per_block counts: "canvas" or "block"
 
     @property
     def prompt_tps(self) -> float:

@@ -386,7 +386,7 @@ class _BlockLoop:
             self.logit_bias = mx.where(mx.arange(V) == s.mask_token_id, -mx.inf, 0.0)
         self.set_stops(self.stops)
         self.detok = _Detokenizer(getattr(loaded, "tokenizer", None))
-        self.stats = GenerationStats(prompt_tokens=self.P)
+        self.stats = GenerationStats(prompt_tokens=self.P, block_name="block")
 
     def set_stops(self, ids) -> None:
         self.stops = {int(i) for i in ids}

@@ -53,7 +53,7 @@ def test_generate_llada_flags_and_profile(converted):
     again = invoke(model, "--prompt", "Hello", "--max-tokens", "12", "--threshold-schedule", "linear:0.5",
                    "--temp", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3")
     assert again.exit_code == 0
-    first_line = [ln for ln in r.output.splitlines() if not ln.startswith(("Prompt:", "Generation:", "Canvases:", "Tokens per", "Peak"))]
+    first_line = [ln for ln in r.output.splitlines() if not ln.startswith(("Prompt:", "Generation:", "Blocks:", "Tokens per", "Peak"))]
     assert again.output.strip() in "\n".join(first_line)  # same seed, same text
     edit = invoke(model, "--prompt", "Hi", "--max-tokens", "8", "--editing-threshold", "0.5",
                   "--max-post-steps", "2", "--reference-sampling", "--seed", "0")
