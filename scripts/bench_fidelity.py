@@ -94,7 +94,7 @@ def llada_cases(config: dict, tokenizer, digits_list: list[str], seed: int = 0):
     for i, d in enumerate(digits_list):
         prompt = _chat_ids(tokenizer, d)
         P = len(prompt)
-        full = np.asarray(prompt + _answer_ids(tokenizer, d, eos, 1, pad=eos), np.int64)
+        full = np.asarray(prompt + _answer_ids(tokenizer, d, eos, 1, pad=eos).tolist(), np.int64)
         first, last = P // bl, (len(full) - 1) // bl
         for b in sorted({first, min(first + 1, last)}):
             end = (b + 1) * bl
@@ -229,7 +229,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from dlm.runtime.registry import family_for_config
 
@@ -239,7 +239,7 @@ def main(argv=None):
     family = family_for_config(config)
     kind = family.name
     adapter = family.reference()
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model))
     heldout = demo_task.heldout_set(args.n)
     case_digits = heldout[:: max(1, len(heldout) // args.cases)][: args.cases]
     config["_path"] = str(model)

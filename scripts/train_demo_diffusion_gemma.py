@@ -4,9 +4,11 @@ The model is a real transformers DiffusionGemmaForBlockDiffusion (tiny: vocab
 128, hidden 64, 4 layers, 4 experts, canvas 8) trained with the family's own
 objective on the digit-sorting task of scripts/demo_task.py:
 
-* a training example is (prefix, canvas): the prefix is the chat prompt plus
-  the answer canvases before a canvas boundary, the target is the next
-  canvas_length answer tokens (answer, <turn|>, then <pad>);
+* a training sequence is the chat prompt plus the answer (answer, <turn|>,
+  then <pad> to a whole number of canvases); one encoder pass over it gives
+  the prefix KV cache of every canvas boundary (the encoder is causal), and
+  every answer canvas is denoised by the decoder from the cache of the tokens
+  before it, as generate() does;
 * uniform renoising: each canvas token is replaced by a uniformly random
   vocabulary token with probability t ~ U(0, 1) (what generate's renoising
   feeds the decoder);
@@ -98,39 +100,72 @@ class Data:
         return ids + [PAD] * (-len(ids) % CANVAS)
 
     def batch(self, size: int):
-        """(prefix [B, P], target canvas [B, L]) for one random (length, canvas index)."""
+        """(sequences [B, P + K*L], P, K): prompts of one length n with their
+        answers padded to K canvases (one batch shares its prefix lengths)."""
         import torch
 
         n = self.rng.randint(demo_task.MIN_DIGITS, demo_task.MAX_DIGITS)
-        k = self.rng.randrange(demo_task.num_blocks("0" * n, CANVAS))
-        prefixes, targets = [], []
-        while len(prefixes) < size:
+        rows = []
+        while len(rows) < size:
             d = demo_task.sample_digits(self.rng, n)
-            if demo_task.in_heldout(d):
-                continue
-            ans = self.answer_ids(d)
-            prefixes.append(self.prompt_ids(d) + ans[: k * CANVAS])
-            targets.append(ans[k * CANVAS:(k + 1) * CANVAS])
-        return torch.tensor(prefixes), torch.tensor(targets)
+            if not demo_task.in_heldout(d):
+                rows.append(self.prompt_ids(d) + self.answer_ids(d))
+        P = len(self.prompt_ids("0" * n))
+        return torch.tensor(rows), P, (len(rows[0]) - P) // CANVAS
 
 
-def train_step(model, prefix, target, gen, use_sc: bool):
+def prefix_cache(full, length: int, text_config):
+    """A DynamicCache holding the first `length` positions of `full`. The
+    encoder is causal, so this is exactly the cache of encoding those tokens alone."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=text_config)
+    for i, layer in enumerate(full.layers):
+        cache.update(layer.keys[:, :, :length], layer.values[:, :, :length], i)
+    return cache
+
+
+def decoder_logits(model, canvas, cache, sc_logits=None):
+    """The decoder pass of DiffusionGemmaForBlockDiffusion.forward (lm_head, softcap)."""
+    import torch
+
+    hidden = model.model.decoder(decoder_input_ids=canvas, cache=cache,
+                                 self_conditioning_logits=sc_logits).last_hidden_state
+    cap = model.final_logit_softcapping
+    return torch.tanh(model.lm_head(hidden).float() / cap) * cap
+
+
+def train_step(model, seqs, P: int, K: int, gen, use_sc: bool):
+    """Loss over every answer canvas of the batch.
+
+    One encoder pass over prompt + answer canvases 0..K-2 gives the prefix
+    cache of every canvas boundary; each canvas k is then renoised
+    (uniform tokens with probability t ~ U(0, 1) per example) and denoised
+    by the decoder from the cache of the P + k*L tokens before it. With
+    self-conditioning, a first decoder pass (no grad) provides the logits,
+    divided by a sampling temperature T ~ U(t_min, t_max), for the second.
+    """
     import torch
     import torch.nn.functional as F
 
-    b = target.shape[0]
-    t = torch.rand(b, 1, generator=gen)
-    noisy = torch.rand(target.shape, generator=gen) < t
-    canvas = torch.where(noisy, torch.randint(0, VOCAB, target.shape, generator=gen), target)
-    sc = None
-    if use_sc:
-        with torch.no_grad():
-            first = model(input_ids=prefix, decoder_input_ids=canvas).logits
-        temp = 0.4 + 0.4 * torch.rand(b, 1, 1, generator=gen)
-        sc = first / temp
-    logits = model(input_ids=prefix, decoder_input_ids=canvas, self_conditioning_logits=sc).logits
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
-    return loss
+    B = seqs.shape[0]
+    text_config = model.config.get_text_config(decoder=True)
+    full = model.model.encoder(input_ids=seqs[:, : P + (K - 1) * CANVAS]).cache
+    loss = 0.0
+    for k in range(K):
+        start = P + k * CANVAS
+        target = seqs[:, start:start + CANVAS]
+        t = torch.rand(B, 1, generator=gen)
+        noisy = torch.rand(target.shape, generator=gen) < t
+        canvas = torch.where(noisy, torch.randint(0, VOCAB, target.shape, generator=gen), target)
+        sc = None
+        if use_sc:
+            with torch.no_grad():
+                first = decoder_logits(model, canvas, prefix_cache(full, start, text_config))
+            sc = first / (0.4 + 0.4 * torch.rand(B, 1, 1, generator=gen))
+        logits = decoder_logits(model, canvas, prefix_cache(full, start, text_config), sc)
+        loss = loss + F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+    return loss / K
 
 
 def evaluate(model, data: Data, digits_list: list[str], max_denoising_steps: int | None = None):
@@ -246,6 +281,8 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--eval-n", type=int, default=40, help="held-out prompts for periodic evals")
     ap.add_argument("--final-n", type=int, default=200, help="held-out prompts for the final eval")
+    ap.add_argument("--eval-steps", type=int, default=None,
+                    help="cap max_denoising_steps in evaluations (smoke tests); default: the checkpoint's")
     ap.add_argument("--time-limit", type=float, default=50 * 60, help="stop training after this many seconds")
     args = ap.parse_args(argv)
 
@@ -267,7 +304,7 @@ def main(argv=None):
         p.requires_grad_(".vision_tower." not in n and ".embed_vision." not in n)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = min(200, args.steps // 10)
+    warmup = max(1, min(200, args.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     gen = torch.Generator().manual_seed(args.seed)
@@ -280,8 +317,8 @@ def main(argv=None):
     ema = None
     step = 0
     for step in range(1, args.steps + 1):
-        prefix, target = data.batch(args.batch)
-        loss = train_step(model, prefix, target, gen, use_sc=sc_rng.random() < 0.5)
+        seqs, P, K = data.batch(args.batch)
+        loss = train_step(model, seqs, P, K, gen, use_sc=sc_rng.random() < 0.5)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -292,7 +329,7 @@ def main(argv=None):
             print(f"step {step} loss {ema:.4f} lr {sched.get_last_lr()[0]:.2e} "
                   f"{time.time() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            ev = evaluate(model, data, small)
+            ev = evaluate(model, data, small, args.eval_steps)
             print(f"step {step} eval {json.dumps(ev)}", flush=True)
             save(model, tok_dir, args.out)
         if time.time() - t0 > args.time_limit:
@@ -300,7 +337,7 @@ def main(argv=None):
             break
     train_seconds = time.time() - t0
     model.eval()
-    ev = evaluate(model, data, heldout)
+    ev = evaluate(model, data, heldout, args.eval_steps)
     print(f"final eval {json.dumps(ev)}", flush=True)
     summary = {
         "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,

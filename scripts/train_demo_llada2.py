@@ -7,13 +7,14 @@ layers: 1 dense + 2 MoE with 8 experts), trained on the digit-sorting task of
 scripts/demo_task.py with masked, block-structured diffusion:
 
 * blocks of BLOCK tokens at absolute positions, as LLaDA-2's generate() cuts
-  them (the first answer block may hold the prompt's tail);
-* a training example is the sequence cut after one block b that holds answer
-  tokens (the answer, then <|endoftext|> until the block ends); the answer
-  tokens of block b are replaced by <|mask|> with probability t ~ U(0, 1)
-  (at least one), earlier blocks are clean;
-* the block-causal attention mask of generate() (bidirectional inside a
-  block, causal across blocks), cross-entropy on the masked positions;
+  them (the first answer block may hold the prompt's tail); the sequence ends
+  with the block holding the answer's <|endoftext|> (filled with it);
+* each block's answer tokens are replaced by <|mask|> with its own
+  probability t ~ U(0, 1); the prompt is never masked;
+* one forward over [x_t ; x_0] (noisy then clean copy, same positions) with
+  the tech report's training mask: an x_t block sees itself and the earlier
+  clean blocks, exactly the block-causal view generate() gives it, so every
+  block is trained in one pass; cross-entropy on the masked positions;
 * expert_bias is adjusted after each step by the auxiliary-loss-free balancing
   rule (raise the bias of under-used experts), so it is non-zero as in real
   checkpoints.
@@ -96,16 +97,13 @@ def build_model(seed: int):
     return model, cfg
 
 
-def forward_train(model, input_ids, mask):
+def forward_train(model, input_ids, mask, positions):
     """The reference forward (LLaDA2Reference.forward) without its no_grad: same modules, same order."""
-    import torch
-
     from dlm.verify.llada2_torch import rope_cos_sin
 
     cfg = model.cfg
     h = model.model.word_embeddings(input_ids)
-    pos = torch.arange(input_ids.shape[1])
-    cos, sin = rope_cos_sin(pos, int(cfg.head_dim * cfg.partial_rotary_factor), cfg.rope_theta, h.dtype)
+    cos, sin = rope_cos_sin(positions, int(cfg.head_dim * cfg.partial_rotary_factor), cfg.rope_theta, h.dtype)
     for layer in model.model.layers:
         h = layer(h, cos, sin, mask)
     return model.lm_head(model.model.norm(h)).float()
@@ -125,33 +123,46 @@ class Data:
         return self.tok.encode(demo_task.answer_text(digits), add_special_tokens=False) + [self.eos]
 
     def batch(self, size: int, gen):
-        """(noisy [B, end], clean [B, end], loss mask [B, end]) for one (length, block)."""
+        """(noisy x_t [B, T], clean x_0 [B, T], loss mask [B, T]) for prompts of one length.
+
+        T ends with the block holding the answer's <|endoftext|>; positions
+        after it hold <|endoftext|> (what generate() leaves there). Each
+        block's answer tokens are masked with its own t ~ U(0, 1)."""
         import torch
 
         n = self.rng.randint(demo_task.MIN_DIGITS, demo_task.MAX_DIGITS)
         P = len(self.prompt_ids("0" * n))
-        last = (P + n) // BLOCK  # block holding the answer's <|endoftext|>
-        b = self.rng.randint(P // BLOCK, last)
-        start, end = b * BLOCK, (b + 1) * BLOCK
+        T = ((P + n) // BLOCK + 1) * BLOCK
         rows = []
         while len(rows) < size:
             d = demo_task.sample_digits(self.rng, n)
             if demo_task.in_heldout(d):
                 continue
             seq = self.prompt_ids(d) + self.answer_ids(d)
-            seq += [self.eos] * (end - len(seq))
-            rows.append(seq[:end])
+            rows.append(seq + [self.eos] * (T - len(seq)))
         clean = torch.tensor(rows)
-        gen_pos = torch.zeros(clean.shape, dtype=torch.bool)
-        gen_pos[:, max(P, start):end] = True
-        t = torch.rand(size, 1, generator=gen)
-        masked = (torch.rand(clean.shape, generator=gen) < t) & gen_pos
-        # at least one masked token per row
-        first = torch.full((size,), max(P, start))
-        pick = first + (torch.rand(size, generator=gen) * (end - first)).long()
+        t = torch.rand(size, T // BLOCK, generator=gen).repeat_interleave(BLOCK, dim=1)
+        masked = (torch.rand(clean.shape, generator=gen) < t) & (torch.arange(T) >= P)
+        pick = P + (torch.rand(size, generator=gen) * (T - P)).long()  # at least one per row
         masked[torch.arange(size), pick] = True
         noisy = torch.where(masked, torch.full_like(clean, self.mask), clean)
         return noisy, clean, masked
+
+
+def training_mask(T: int):
+    """Additive [1, 1, 2T, 2T] mask over [x_t ; x_0] (LLaDA2 tech report §4.2,
+    reference §3.4): x_t attends to its own block of x_t and to the earlier
+    blocks of x_0; x_0 is block-causal; x_0 never sees x_t. Every x_t block
+    is then denoised exactly as generate() sees it, all in one forward."""
+    import torch
+
+    blk = torch.arange(T) // BLOCK
+    same = blk[:, None] == blk[None, :]
+    before = blk[None, :] < blk[:, None]
+    causal = blk[None, :] <= blk[:, None]
+    keep = torch.cat([torch.cat([same, before], 1),
+                      torch.cat([torch.zeros(T, T, dtype=torch.bool), causal], 1)], 0)
+    return torch.zeros(2 * T, 2 * T).masked_fill(~keep, float("-inf"))[None, None]
 
 
 def evaluate(model, data: Data, digits_list: list[str]):
@@ -259,8 +270,6 @@ def main(argv=None):
     import tiny_llada2
     from transformers import PreTrainedTokenizerFast
 
-    from dlm.verify.llada2_torch import block_causal_mask
-
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     tok_dir = args.out.with_name(args.out.name + ".tokenizer")
@@ -273,7 +282,7 @@ def main(argv=None):
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = min(200, args.steps // 10)
+    warmup = max(1, min(200, args.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup)
         * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
@@ -295,11 +304,12 @@ def main(argv=None):
     masks: dict[int, torch.Tensor] = {}
     for step in range(1, args.steps + 1):
         noisy, clean, masked = data.batch(args.batch, gen)
-        L = noisy.shape[1]
-        if L not in masks:
-            masks[L] = block_causal_mask(L, BLOCK)
+        T = noisy.shape[1]
+        if T not in masks:
+            masks[T] = training_mask(T)
         loads.clear()
-        logits = forward_train(model, noisy, masks[L])
+        pos = torch.arange(T).repeat(2)
+        logits = forward_train(model, torch.cat([noisy, clean], 1), masks[T], pos)[:, :T]
         loss = torch.nn.functional.cross_entropy(logits[masked], clean[masked])
         opt.zero_grad(set_to_none=True)
         loss.backward()
