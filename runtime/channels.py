@@ -15,6 +15,7 @@ from typing import Optional
 
 OPEN = "<|channel>"
 CLOSE = "<channel|>"
+TURN = "<|turn>"
 
 
 def _token_id(tokenizer, token: str) -> Optional[int]:
@@ -51,9 +52,13 @@ class ChannelParser:
         self.segments: list[list[int]] = []  # reasoning, one list per channel
         self.in_channel = False
         # A prompt that ends inside an open channel starts the output in it (the
-        # channel's tokens already in the prompt complete its name line).
+        # channel's tokens already in the prompt complete its name line). Only
+        # the model's own turn counts: a user message quoting the marker does not.
         prompt_ids = list(prompt_ids or [])
+        turn_id = _token_id(tokenizer, TURN)
         for i in range(len(prompt_ids) - 1, -1, -1):
+            if turn_id is not None and prompt_ids[i] == turn_id:
+                break
             if prompt_ids[i] in (self.open_id, self.close_id):
                 self.in_channel = prompt_ids[i] == self.open_id
                 if self.in_channel:

@@ -260,3 +260,12 @@ def test_channel_parser_keeps_tool_tokens_and_prompt_state(tokenizer):
     parser = ChannelParser(tok, prompt_ids=[2, 105, 100])
     t, r = parser.feed(ids(tok, "thought\nhmm") + [101] + ids(tok, "ok"))
     assert (t, r) == ("ok", "hmm")
+
+
+def test_channel_marker_quoted_by_the_user_does_not_start_reasoning(tokenizer):
+    tok = tokenizer
+    # <bos><|turn>user\n ... <|channel> ... <turn|>\n<|turn>model\n
+    prompt = [2, 105] + ids(tok, "user\nwhat is ") + [100] + [106] + ids(tok, "\n") + [105] + ids(tok, "model\n")
+    parser = ChannelParser(tok, prompt_ids=prompt)
+    t, r = parser.feed(ids(tok, "an answer"))
+    assert (t, r) == ("an answer", "")
