@@ -17,7 +17,8 @@ import click
 
 from dlm.runtime.errors import DlmError
 
-DTYPES = ("float32", "bfloat16", "float16")
+from .protocol import REFERENCE_DTYPES
+
 
 
 class _Group(click.Group):
@@ -33,7 +34,7 @@ class _Group(click.Group):
 def _common(f):
     options = [
         click.option("--revision", help="Hub revision of the reference (branch, tag or commit)."),
-        click.option("--reference-dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+        click.option("--reference-dtype", type=click.Choice(REFERENCE_DTYPES), default="float32", show_default=True,
                      help="dtype the PyTorch reference computes in (on CPU)."),
         click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False),
                      help="Extra prompts: one per line, plain text or JSON {prompt|messages|ids}."),

@@ -93,6 +93,21 @@ from typing import Optional
 
 import numpy as np
 
+from dlm.runtime.errors import ConfigError
+
+REFERENCE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(dtype: str):
+    """The torch dtype a reference computes in (--reference-dtype)."""
+    import torch
+
+    if dtype not in REFERENCE_DTYPES:
+        raise ConfigError(
+            f"--reference-dtype must be one of {', '.join(REFERENCE_DTYPES)}, not {dtype!r}"
+        )
+    return getattr(torch, dtype)
+
 TOPK = 16  # candidates kept per position and step in commit-stream traces
 
 

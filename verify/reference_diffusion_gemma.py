@@ -13,7 +13,6 @@ imported lazily: the MLX half of this module runs on machines without them
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +22,11 @@ import numpy as np
 
 from dlm.runtime.errors import ConfigError, DlmError, WeightError
 
-from .protocol import CommitStream, LogitCase, TraceRecorder
+from dlm.runtime.loader import read_json
+
+from .protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
 
 SC_TOPK = 64  # self-conditioning inputs are stored as top-K + tail mass (bundles stay small)
-DTYPES = ("float32", "bfloat16", "float16")
 # Tiny stand-in for the vision tower when the config has none (text-only
 # conversions): transformers always builds one, and its default is 150M params.
 _STUB_VISION = dict(
@@ -62,12 +62,6 @@ def _canvas_length(config: dict) -> int:
     return int(config.get("canvas_length", 256))
 
 
-def _torch_dtype(dtype: str):
-    import torch
-
-    if dtype not in DTYPES:
-        raise ConfigError(f"--reference-dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    return getattr(torch, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -85,13 +79,6 @@ class Reference:
     notes: list[str] = field(default_factory=list)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
 
 
 def _hf_config_dict(config: dict) -> dict:
@@ -112,11 +99,10 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
     DiffusionGemma is native to transformers >= 5.24, so no checkpoint code is
     ever run; ``trust_remote_code`` is accepted for the protocol and ignored.
     """
-    import torch
 
     path = Path(path)
-    torch_dtype = _torch_dtype(dtype)
-    config = _read_json(path / "config.json")
+    ref_dtype = torch_dtype(dtype)
+    config = read_json(path / "config.json", "config")
     if config.get("model_type") not in ("diffusion_gemma", "diffusion_gemma_text"):
         raise ConfigError(f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not DiffusionGemma")
     try:
@@ -126,7 +112,7 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
             f"the DiffusionGemma reference needs transformers>=5.24 with DiffusionGemma ({exc})"
         ) from None
     gen_path = path / "generation_config.json"
-    generation_config = _read_json(gen_path) if gen_path.exists() else {}
+    generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
     notes: list[str] = []
 
     if weights is None:
@@ -136,7 +122,7 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
             )
         try:
             model = DiffusionGemmaForBlockDiffusion.from_pretrained(
-                str(path), dtype=torch_dtype, use_safetensors=True
+                str(path), dtype=ref_dtype, use_safetensors=True
             )
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise DlmError(f"could not load the reference from {path}: {exc}") from None
@@ -146,13 +132,13 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
 
         with no_init_weights():
             model = DiffusionGemmaForBlockDiffusion(hf_config)
-        _load_weights(model, weights, torch_dtype)
+        _load_weights(model, weights, ref_dtype)
         notes.append("weights: the MLX model's (dequantized)")
-    model = model.to(torch_dtype).eval()
+    model = model.to(ref_dtype).eval()
     return Reference(model, config, generation_config, dtype, path, notes)
 
 
-def _load_weights(model, weights: dict, torch_dtype) -> None:
+def _load_weights(model, weights: dict, target_dtype) -> None:
     """Copy ``{hf_name: array}`` into the model; every decoder tensor and
     encoder layer scalar must be provided (tied encoder weights follow)."""
     import torch
@@ -175,7 +161,7 @@ def _load_weights(model, weights: dict, torch_dtype) -> None:
                 raise WeightError(
                     f"MLX tensor {name} has shape {list(src.shape)}; the reference expects {list(target.shape)}"
                 )
-            target.data = src.to(torch_dtype).clone()
+            target.data = src.to(target_dtype).clone()
             need.discard(name)
     missing = sorted(n for n in need if not n.endswith("inv_freq") and "rotary" not in n
                      and not n.endswith("embed_scale"))

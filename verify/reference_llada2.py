@@ -16,7 +16,6 @@ torch is imported lazily (bundle comparisons run without it).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,21 +25,15 @@ import numpy as np
 
 from dlm.runtime.errors import ConfigError, DlmError, WeightError
 
-from .protocol import CommitStream, LogitCase, TraceRecorder
+from dlm.runtime.loader import read_json
 
-DTYPES = ("float32", "bfloat16", "float16")
+from .protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
+
 BLOCK_LENGTH = 32
 SEEDED_RUN = {"name": "seeded", "temperature": 0.8, "top_p": 0.95, "seed": 1234}
 _SWITCH = re.compile(r"^(model\.layers\.\d+\.mlp\.)switch_mlp\.(\w+_proj)\.weight$")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
 
 
 def _args(config: dict):
@@ -49,12 +42,6 @@ def _args(config: dict):
     return ModelArgs.from_config(config)
 
 
-def _torch_dtype(dtype: str):
-    import torch
-
-    if dtype not in DTYPES:
-        raise ConfigError(f"--reference-dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    return getattr(torch, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -84,17 +71,17 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
     from . import llada2_torch as R
 
     path = Path(path)
-    torch_dtype = _torch_dtype(dtype)
-    config = _read_json(path / "config.json")
+    ref_dtype = torch_dtype(dtype)
+    config = read_json(path / "config.json", "config")
     if config.get("model_type") != "llada2_moe":
         raise ConfigError(f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not llada2_moe")
     gen_path = path / "generation_config.json"
-    generation_config = _read_json(gen_path) if gen_path.exists() else {}
+    generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
     notes: list[str] = []
     if weights is None and trust_remote_code and ships_modeling_code(path, config):
         from .llada2_remote import load_remote
 
-        model = load_remote(path, torch_dtype)
+        model = load_remote(path, ref_dtype)
         notes.append("forward pass: the checkpoint's own modeling code (--trust-remote-code)")
         return Reference(model, config, generation_config, dtype, path, notes)
     try:
@@ -103,7 +90,7 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
         raise ConfigError(f"{path / 'config.json'}: cannot build the reference: {exc}") from None
     if weights is None:
         try:
-            model = R.load_reference(path, torch_dtype)
+            model = R.load_reference(path, ref_dtype)
         except FileNotFoundError as exc:
             raise WeightError(str(exc)) from None
         except RuntimeError as exc:  # load_state_dict: missing / unexpected / mis-shaped
@@ -124,7 +111,7 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
         if missing:
             raise WeightError(f"the MLX model lacks tensor {missing[0]} (and {len(missing) - 1} more)")
         model.load_state_dict(state, strict=True)
-        model = model.to(torch_dtype).eval()
+        model = model.to(ref_dtype).eval()
         notes.append("weights: the MLX model's (dequantized)")
     return Reference(model, config, generation_config, dtype, path, notes)
 

@@ -9,13 +9,13 @@ adapter (``dlm.verify.protocol``) does the model-specific work.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from dlm.runtime.errors import ConfigError, DlmError
+from dlm.runtime.loader import read_json
 from dlm.runtime.registry import family_for_config
 
 from . import bundle as B
@@ -52,13 +52,6 @@ def _tqdm(iterable, desc: str, enabled: bool, total: Optional[int] = None):
     return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
 
 
 def _adapter(config: dict, where: str):
@@ -105,7 +98,7 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
     from .prompts import suite_prompts
 
     ref_path = resolve_reference(reference, options.revision)
-    config = _read_json(ref_path / "config.json")
+    config = read_json(ref_path / "config.json", "reference config")
     family, adapter = _adapter(config, str(ref_path / "config.json"))
     if expect_family and family.name != expect_family:
         raise ConfigError(f"reference {reference} is a {family.name} model; the converted model is {expect_family}")
@@ -146,7 +139,7 @@ def _sliding_window(config: dict) -> Optional[int]:
 def _matched_run(mlx_dir: Path, bundle: B.Bundle, adapter, options: Options) -> B.ReferenceRun:
     """The reference with exactly the converted model's (dequantized) weights,
     in float32: what is left against MLX is its compute precision, and bugs."""
-    config = _read_json(mlx_dir / "config.json")
+    config = read_json(mlx_dir / "config.json", "config")
     dtype = "float32"
     weights = adapter.hf_weights_from_mlx(W.dequantized_weights(mlx_dir, config), config)
     ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
@@ -196,7 +189,7 @@ def run_parity(mlx_dir, options: Options) -> Report:
     mlx_dir = Path(mlx_dir).expanduser()
     if not (mlx_dir / "config.json").exists():
         raise ConfigError(f"{mlx_dir}: not a converted model directory (no config.json)")
-    config = _read_json(mlx_dir / "config.json")
+    config = read_json(mlx_dir / "config.json", "config")
     family, adapter = _adapter(config, str(mlx_dir / "config.json"))
     timings: dict[str, float] = {}
     notes: list[str] = []
