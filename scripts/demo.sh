@@ -2,7 +2,8 @@
 # dlm's main job, offline, on the bundled trained DiffusionGemma demo
 # (demo/diffusion_gemma_sort: a tiny model that sorts digits):
 #   1. convert it to 4-bit MLX (mixed recipe) with dlm-convert,
-#   2. prove the conversion faithful to the PyTorch reference with dlm-verify --parity,
+#   2. prove the conversion faithful to the PyTorch reference with dlm-verify --parity
+#      (built-in prompts plus the task prompts of demo/sort_prompts.txt),
 #   3. answer a task prompt with dlm-run generate.
 #
 #   scripts/demo.sh [OUTPUT_DIR] [DIGITS]
@@ -26,7 +27,7 @@ mkdir -p "$(dirname "$OUT")"
 
 echo
 echo "== dlm-verify --parity $OUT (reference: $SRC)"
-"${BIN}dlm-verify" --parity "$OUT" --reference "$SRC" --torch-threads 1 --quiet
+"${BIN}dlm-verify" --parity "$OUT" --reference "$SRC" --prompts "$ROOT/demo/sort_prompts.txt" --torch-threads 1 --quiet
 
 echo
 echo "== dlm-run generate: \"sort $DIGITS\" (expected: $(echo "$DIGITS" | grep -o . | sort | tr -d '\n'))"
