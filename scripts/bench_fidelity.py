@@ -16,7 +16,8 @@ it measures, on the held-out digit-sorting prompts of scripts/demo_task.py:
 for the PyTorch reference in float32 and bf16 (transformers' generate for
 DiffusionGemma, dlm's PyTorch reference generate for LLaDA-2, each with the
 family's default sampler) and for dlm-convert outputs: float32, bf16, 8-bit
-(uniform affine g64), 4-bit mixed, 4-bit uniform, mxfp4 (mixed). Quantized
+(uniform affine g64), 4-bit mixed, 4-bit uniform, mxfp4 (mixed), and, to show
+where the recipes separate, 3-bit uniform, 2-bit mixed and 2-bit uniform. Quantized
 variants keep bf16 for their unquantized tensors, as a conversion of a bf16
 Hub checkpoint would.
 
@@ -50,6 +51,10 @@ VARIANTS = {
     "4-bit mixed": dict(quantize=True, q_bits=4, recipe="mixed", dtype="bfloat16"),
     "4-bit uniform": dict(quantize=True, q_bits=4, recipe="uniform", dtype="bfloat16"),
     "mxfp4": dict(quantize=True, q_mode="mxfp4", recipe="mixed", dtype="bfloat16"),
+    # Below 4 bits: where the recipes separate on these models.
+    "3-bit uniform": dict(quantize=True, q_bits=3, recipe="uniform", dtype="bfloat16"),
+    "2-bit mixed": dict(quantize=True, q_bits=2, recipe="mixed", dtype="bfloat16"),
+    "2-bit uniform": dict(quantize=True, q_bits=2, recipe="uniform", dtype="bfloat16"),
 }
 
 
