@@ -216,8 +216,6 @@ def evaluate(model, data: Data, digits_list: list[str], max_denoising_steps: int
 
 def save(model, tokenizer_dir: Path, out: Path, summary: dict | None = None) -> None:
     """Write the hub-layout checkpoint to a temporary sibling, then swap it in."""
-    import torch
-
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -234,7 +232,6 @@ def save(model, tokenizer_dir: Path, out: Path, summary: dict | None = None) -> 
     if summary is not None:
         (tmp / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(summary))
-    del torch
     if out.exists():
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
