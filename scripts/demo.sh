@@ -8,7 +8,8 @@
 #
 #   scripts/demo.sh [OUTPUT_DIR] [DIGITS]
 #
-# Needs only the installed package (pip install -e .); no network, no Hub.
+# On a fresh machine it first sets up .venv (scripts/setup.sh: package registries
+# only); DLM_SKIP_SETUP=1 uses whatever dlm is already installed. No Hub access.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,6 +17,11 @@ SRC="$ROOT/demo/diffusion_gemma_sort"
 OUT="${1:-${TMPDIR:-/tmp}/dlm-demo/diffusion_gemma_sort-4bit}"
 DIGITS="${2:-9081726354}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if [ "${DLM_SKIP_SETUP:-0}" != 1 ]; then
+    echo "== set-up (scripts/setup.sh)"
+    bash "$ROOT/scripts/setup.sh"
+fi
 
 # Prefer the repository's virtual environment when there is one.
 BIN=""

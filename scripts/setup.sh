@@ -15,4 +15,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install -q "${DLM_TORCH_SPEC:-torch==2.13.0}" \
         ${DLM_TORCH_INDEX_URL:+--index-url "$DLM_TORCH_INDEX_URL"}
 fi
-$PIP install -q -e ".[test]"
+# Quiet unless it fails (setuptools prints build warnings on every editable install).
+log=$(mktemp)
+if ! $PIP install -q -e ".[test]" >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    exit 1
+fi
+rm -f "$log"

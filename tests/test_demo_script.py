@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_demo_script_converts_verifies_and_answers(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+    env = dict(os.environ, HF_HUB_OFFLINE="1", DLM_SKIP_SETUP="1", HF_HOME=str(tmp_path / "hf"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     out = tmp_path / "demo-4bit"
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), str(out), "3141592653589793"],
