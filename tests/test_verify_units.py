@@ -312,3 +312,11 @@ def test_commit_stream_gates_steps_in_float32_and_explains_stop_decisions_in_hal
     assert half.status == "pass" and half.metrics["explained_fraction"] == 1.0
     wrong = _stream([[2], [2]], [[[2, 1]]] * 2, [[[9.0, 1.0]]] * 2, [2])  # a confident, different token
     assert check_commit_stream([ref], [wrong], Precision("bfloat16", "bfloat16", None, None)).status == "fail"
+
+
+def test_two_empty_commit_streams_match_completely():
+    # A prompt answered with an immediate EOS in both frameworks is agreement, not drift.
+    empty = CommitStream([1, 2], [], "stop")
+    assert M.stream_metrics(empty, CommitStream([1, 2], [], "stop"))["token_match"] == 1.0
+    one = _stream([[5]], [[[5, 7]]], [[[1.0, 0.5]]], [5])
+    assert M.stream_metrics(empty, one)["token_match"] == 0.0

@@ -6,7 +6,9 @@ never failing). The defaults are meant for real checkpoints:
 
 * ``logits`` (converted model vs the original weights): tight in float32
   (f32 kernels agree to ~1e-5 on a ±30 softcapped scale), loose for
-  half precision and quantized models, whose error is mostly rounding.
+  half precision and quantized models, whose error is mostly rounding. There
+  they are judged on KL, near-tie top-1 and entropy: abs logit differences
+  scale with a model's logit range and are reported only.
 * ``implementation`` (the float32 reference run with exactly the weights the
   MLX model holds): keyed by the MLX compute dtype, not by the bit width, so
   a 4-bit model with float32 scales is held to float32 tolerances.
@@ -42,11 +44,11 @@ Bound = tuple[str, object]  # (op, value)
 
 _F32 = {"max_abs": ("<=", 1e-3), "top1": (">=", None), "top1_tol": (">=", 0.999), "kl_mean": ("<=", 1e-6),
         "entropy_diff_max": ("<=", 1e-3)}
-_HALF = {"max_abs": ("<=", None), "mean_abs": ("<=", 0.1), "top1": (">=", None), "top1_tol": (">=", 0.98),
+_HALF = {"max_abs": ("<=", None), "mean_abs": ("<=", None), "top1": (">=", None), "top1_tol": (">=", 0.98),
          "kl_mean": ("<=", 0.02), "entropy_diff_mean": ("<=", 0.1)}
-_Q8 = {"max_abs": ("<=", None), "mean_abs": ("<=", 0.2), "top1": (">=", None), "top1_tol": (">=", 0.98),
+_Q8 = {"max_abs": ("<=", None), "mean_abs": ("<=", None), "top1": (">=", None), "top1_tol": (">=", 0.98),
        "kl_mean": ("<=", 0.05), "entropy_diff_mean": ("<=", 0.2)}
-_Q4 = {"max_abs": ("<=", None), "mean_abs": ("<=", 0.5), "top1": (">=", None), "top1_tol": (">=", 0.95),
+_Q4 = {"max_abs": ("<=", None), "mean_abs": ("<=", None), "top1": (">=", None), "top1_tol": (">=", 0.95),
        "kl_mean": ("<=", 0.25), "entropy_diff_mean": ("<=", 0.5)}
 
 DEFAULTS: dict[str, dict[str, dict[str, Bound]]] = {
