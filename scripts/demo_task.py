@@ -11,7 +11,10 @@ and the tests all generate examples and check answers with this module.
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+from pathlib import Path
 
 MIN_DIGITS = 3
 MAX_DIGITS = 16
@@ -92,3 +95,23 @@ def in_heldout(digits: str, count: int = 1000, seed: int = 1234) -> bool:
 def num_blocks(digits: str, block: int = 8) -> int:
     """Canvases/blocks the answer occupies: answer + one end token, rounded up to blocks."""
     return -(-(len(digits) + 1) // block)
+
+
+def publish_checkpoint(tmp: Path, out: Path, tokenizer_dir: Path, summary: dict | None,
+                       card: str | None) -> None:
+    """Finish a checkpoint written into ``tmp`` (tokenizer, summary, card) and
+    swap it into ``out``, so a reader never sees a half-written model."""
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy2(f, tmp / f.name)
+    if summary is not None:
+        (tmp / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if card is not None:
+        (tmp / "README.md").write_text(card)
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)

@@ -227,19 +227,8 @@ def save(model, tokenizer_dir: Path, out: Path, summary: dict | None = None) -> 
     tc["num_global_key_value_heads"] = TEXT["num_global_key_value_heads"]
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(GENERATION, indent=2) + "\n")
-    for f in tokenizer_dir.iterdir():
-        shutil.copy2(f, tmp / f.name)
-    if summary is not None:
-        (tmp / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(summary))
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+    demo_task.publish_checkpoint(tmp, out, tokenizer_dir, summary,
+                                 model_card(summary) if summary is not None else None)
 
 
 def model_card(s: dict) -> str:
