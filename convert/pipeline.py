@@ -28,7 +28,7 @@ from ..runtime.errors import ConfigError, WeightError
 from ..runtime.registry import Family, family_for_config
 from ..runtime.weights import TensorPlan
 from .card import front_matter, recipe_table, render_card, source_license
-from .reader import CheckpointReader
+from .reader import CheckpointReader, row_count
 from .source import ResolvedSource, resolve_source, source_name
 from .writer import (
     MAX_SHARD_BYTES,
@@ -95,7 +95,7 @@ class Job:
 
     @property
     def rows(self) -> int:
-        return math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
+        return row_count(self.shape)
 
     @property
     def cols(self) -> int:
@@ -266,12 +266,11 @@ def run_job(job: Job, reader: CheckpointReader, writer: ShardWriter, advance: Ca
         def chunk(a: int, b: int) -> mx.array:
             return reader.read_rows(src, a, b)
     else:
-        full = job.plan.combine([reader.read(s) for s in job.plan.sources])
-        mx.eval(full)
-        flat = full.reshape(rows, cols) if len(job.shape) > 1 else full
+        flat = job.plan.combine([reader.read(s) for s in job.plan.sources]).reshape(rows, cols)
+        mx.eval(flat)
 
         def chunk(a: int, b: int) -> mx.array:
-            return flat[a:b] if len(job.shape) > 1 else flat
+            return flat[a:b]
 
     step = max(1, CHUNK_BYTES // max(1, cols * 4))
     spec = job.decision.spec
@@ -303,9 +302,6 @@ def write_weights(reader, jobs: list[Job], writer: ShardWriter, progress: bool) 
                     writer.close_shard(shard)
         finally:
             writer.abort()
-    for index in range(len(writer.shards)):  # shards holding no job (cannot happen today)
-        if index not in last_job_of_shard:
-            writer.close_shard(index)
 
 
 # -- the pipeline -------------------------------------------------------------

@@ -48,6 +48,11 @@ _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
 _MAX_HEADER = 100 << 20  # the safetensors spec limit
 
 
+def row_count(shape: tuple[int, ...]) -> int:
+    """Rows of a tensor seen as [prod(shape[:-1]), shape[-1]] (1-D and scalars: one row)."""
+    return math.prod(shape[:-1]) if len(shape) > 1 else 1
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -59,8 +64,7 @@ class TensorInfo:
 
     @property
     def rows(self) -> int:
-        """Rows of the tensor seen as [prod(shape[:-1]), shape[-1]] (1-D: one row)."""
-        return math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
+        return row_count(self.shape)
 
     @property
     def row_bytes(self) -> int:

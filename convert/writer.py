@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.errors import DlmError
-from .reader import INDEX_NAME
+from .reader import INDEX_NAME, row_count
 
 MAX_SHARD_BYTES = 5 << 30  # the mlx-lm / mlx-vlm limit
 
@@ -59,7 +59,7 @@ class OutTensor:
 
     @property
     def rows(self) -> int:
-        return math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
+        return row_count(self.shape)
 
 
 @dataclass
