@@ -29,7 +29,7 @@ from ..runtime.registry import Family, family_for_config
 from ..runtime.weights import TensorPlan
 from .card import front_matter, recipe_table, render_card, source_license
 from .reader import CheckpointReader, row_count
-from .source import ResolvedSource, resolve_source, source_name
+from .source import SIDECAR_FILES, VISION_SIDECARS, ResolvedSource, resolve_source, source_name
 from .writer import (
     MAX_SHARD_BYTES,
     OutputError,
@@ -45,12 +45,6 @@ CHUNK_BYTES = 64 << 20  # float32-equivalent bytes per row chunk
 FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 DTYPE_LABELS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-SIDECAR_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-    "chat_template.jinja", "chat_template.json",
-)
-VISION_SIDECARS = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 
 
 @dataclass

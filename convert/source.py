@@ -19,25 +19,15 @@ from typing import Optional
 from ..runtime.errors import DlmError
 from .reader import INDEX_NAME
 
-# Small files the output needs (tokenizer, templates, generation/processor configs, card).
-METADATA_PATTERNS = [
-    "config.json",
-    INDEX_NAME,
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "processor_config.json",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "README.md",
-]
+# Files copied next to the converted weights (vision ones only when the vision tower is kept).
+SIDECAR_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+    "chat_template.jinja", "chat_template.json",
+)
+VISION_SIDECARS = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+# Small files fetched before the weights: config, index, the sidecars and the card.
+METADATA_PATTERNS = ["config.json", INDEX_NAME, *SIDECAR_FILES, *VISION_SIDECARS, "README.md"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _TRUE = {"1", "true", "yes", "on"}
 
