@@ -73,8 +73,6 @@ def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe
     source = source or hf_path
     if not source:
         raise click.UsageError("missing SOURCE (a Hub repo id or a local directory)")
-    if recipe != "mixed" or q_mode != "affine":
-        quantize = True  # asking for a recipe or a format means quantizing
     from .pipeline import ConvertOptions, convert
 
     opts = ConvertOptions(

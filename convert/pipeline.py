@@ -97,8 +97,10 @@ class Job:
 
 
 def build_recipe(opts: ConvertOptions) -> Optional[Recipe]:
-    """None unless quantization was asked for (-q or any --q-* option)."""
-    wanted = opts.quantize or opts.q_bits is not None or opts.q_group_size is not None
+    """None unless quantization was asked for: -q, --q-bits, --q-group-size, a non-affine
+    --q-mode or a non-default --recipe."""
+    wanted = (opts.quantize or opts.q_bits is not None or opts.q_group_size is not None
+              or opts.q_mode != "affine" or opts.recipe != "mixed")
     if not wanted:
         return None
     return Recipe(opts.recipe, make_spec(opts.q_bits, opts.q_group_size, opts.q_mode))
