@@ -47,6 +47,10 @@ class CanvasResult:
     cancelled: bool = False
 
 
+def _argmax(proc: mx.array, argmax: Optional[mx.array]) -> mx.array:
+    return mx.argmax(proc, axis=-1).astype(mx.int32) if argmax is None else argmax
+
+
 class RandomDraws:
     """Seeded draws: every call takes a fresh key split from one root key."""
 
@@ -67,9 +71,10 @@ class RandomDraws:
     def canvas(self, shape: tuple[int, ...]) -> mx.array:
         return mx.random.randint(0, self.vocab, shape, dtype=mx.int32, key=self._key())
 
-    def sample(self, proc: mx.array, temperature: float) -> mx.array:
+    def sample(self, proc: mx.array, temperature: float, argmax: Optional[mx.array] = None) -> mx.array:
+        """A draw from softmax(proc / temperature); temperature 0: ``argmax`` (proc's, when already computed)."""
         if temperature == 0:
-            return mx.argmax(proc, axis=-1).astype(mx.int32)
+            return _argmax(proc, argmax)
         logits = proc if temperature == 1 else proc / temperature
         return mx.random.categorical(logits, axis=-1, key=self._key()).astype(mx.int32)
 
@@ -95,8 +100,8 @@ class DebugDraws:
         self.n += 1
         return mx.broadcast_to(pattern, shape)
 
-    def sample(self, proc: mx.array, temperature: float) -> mx.array:
-        return mx.argmax(proc, axis=-1).astype(mx.int32)
+    def sample(self, proc: mx.array, temperature: float, argmax: Optional[mx.array] = None) -> mx.array:
+        return _argmax(proc, argmax)
 
 
 @mx.compile
@@ -161,7 +166,7 @@ def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_logits, reveale
     schedule = config.t_min is not None and config.t_max is not None
     t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
     proc, argmax, entropy = _score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
-    sample = draws.sample(proc, config.temperature)
+    sample = draws.sample(proc, config.temperature, argmax)  # greedy: reuse the argmax, no second pass
     noise = draws.canvas(canvas.shape)  # drawn every step, as the reference does
     if config.sampler == S.CONFIDENCE_THRESHOLD:
         canvas, revealed = _confidence_step(proc, canvas, revealed, sample, noise, config.threshold)
