@@ -172,6 +172,8 @@ _DEC = "model.decoder."
 _ENC_TEXT = "model.encoder.language_model."
 _VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 _CLIPPED = re.compile(r"\.(input|output)_(max|min)$")
+_HIGH = re.compile(r"\.(self_attn\.\w+|mlp\.(gate|up|down))_proj$")
+_LOW = re.compile(r"\.(experts\.(gate_up|down)|self_conditioning\.(gate|up|down))_proj$")
 
 
 def expected_text_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -271,8 +273,7 @@ def output_config(config: dict, text_only: bool) -> dict:
     out = dict(config)
     if text_only and out.get("model_type") == "diffusion_gemma":
         out.pop("vision_config", None)
-        for key in ("vision_soft_tokens_per_image",):
-            out.pop(key, None)
+        out.pop("vision_soft_tokens_per_image", None)
     # Re-saved form: also write the flat hub keys (transformers ignores them
     # next to per_layer_config; MLX tools that only read the hub form need them).
     nested = isinstance(out.get("text_config"), dict)
@@ -299,13 +300,9 @@ def quant_class(path: str) -> str | None:
     """
     if path.startswith(_VISION):
         return None
-    if path.endswith("embed_tokens") or ".self_attn." in path or path.endswith("router.proj"):
-        return "high" if path.endswith(("_proj", "embed_tokens", "router.proj")) else None
-    if re.search(r"\.mlp\.(gate|up|down)_proj$", path):
+    if path.endswith(("embed_tokens", "router.proj")) or _HIGH.search(path):
         return "high"
-    if path.endswith(("experts.gate_up_proj", "experts.down_proj")) or re.search(
-        r"self_conditioning\.(gate|up|down)_proj$", path
-    ):
+    if _LOW.search(path):
         return "low"
     return None
 
