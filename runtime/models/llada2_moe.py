@@ -263,8 +263,7 @@ def plan_weights(
 def output_config(config: dict, text_only: bool = True) -> dict:
     """config.json next to the converted weights: the hub config, minus the
     remote-code hooks (the converted folder ships no modeling code)."""
-    out = {k: v for k, v in config.items() if k not in ("auto_map", "_name_or_path")}
-    return out
+    return {k: v for k, v in config.items() if k not in ("auto_map", "_name_or_path")}
 
 
 _HIGH = re.compile(
@@ -510,8 +509,8 @@ def block_causal_mask(start: int, length: int, prefix: int, block_length: int):
     """Boolean [length, prefix + length] mask for a window at absolute positions
     [start, start + length) over keys [start - prefix, start + length):
     query i sees key j iff block(j) <= block(i). None when that is everything."""
-    q = mx.arange(start, start + length) // block_length
-    k = mx.arange(start - prefix, start + length) // block_length
     if start % block_length == 0 and length <= block_length:
         return None
+    q = mx.arange(start, start + length) // block_length
+    k = mx.arange(start - prefix, start + length) // block_length
     return k[None, :] <= q[:, None]
