@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -352,8 +352,6 @@ def stream_generate(
     if unknown:
         raise GenerationError(f"unknown LLaDA-2 generation hook(s): {', '.join(unknown)}")
     if hooks:
-        from dataclasses import replace
-
         settings = replace(settings, **hooks)
     loop = _BlockLoop(loaded, list(prompt_ids), settings, cancel)
     if stop_ids is not None:
@@ -372,7 +370,6 @@ class _BlockLoop:
             raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
         if not 0 <= s.mask_token_id < vocab:
             raise GenerationError(f"mask token id {s.mask_token_id} is outside the vocabulary (size {vocab})")
-        self.stops = stop_ids(loaded, s)
         self.editing = s.editing_threshold
         if self.editing == "auto":
             self.editing = EDITING_THRESHOLD_21 if is_llada21(loaded) else None
@@ -380,11 +377,10 @@ class _BlockLoop:
         self.quota = transfer_quota(self.bl, self.steps)
         self.uniforms = s.uniforms or UniformStream(s.seed)
         self.needs_uniforms = s.temperature > 0 or s.reference_sampling
-        V = vocab
         self.logit_bias = None
         if s.suppress_mask:
-            self.logit_bias = mx.where(mx.arange(V) == s.mask_token_id, -mx.inf, 0.0)
-        self.set_stops(self.stops)
+            self.logit_bias = mx.where(mx.arange(vocab) == s.mask_token_id, -mx.inf, 0.0)
+        self.set_stops(stop_ids(loaded, s))
         self.detok = _Detokenizer(getattr(loaded, "tokenizer", None))
         self.stats = GenerationStats(prompt_tokens=self.P, block_name="block")
 
@@ -435,6 +431,11 @@ class _BlockLoop:
             logits = logits + self.logit_bias
         u = self.uniforms(self.bl) if self.needs_uniforms else None
         return sample(logits, self.s, u)
+
+    def _trace(self, b: int, s: int, start: int, write, tok) -> None:
+        if self.s.trace is not None:
+            w = np.nonzero(np.array(write))[0]
+            self.s.trace.append((b, s, [int(start + i) for i in w], np.array(tok)[w].tolist()))
 
     # -- loop --------------------------------------------------------------
 
@@ -509,10 +510,7 @@ class _BlockLoop:
             tok, conf = self._step(b, s, start, block)
             write = reveal(active, conf, self.s.step_threshold(s, self.steps), self.quota[s])
             block = mx.where(write, tok.astype(block.dtype), block)
-            if self.s.trace is not None:
-                w = np.nonzero(np.array(write))[0]
-                t = np.array(tok)[w]
-                self.s.trace.append((b, s, [int(start + i) for i in w], [int(v) for v in t]))
+            self._trace(b, s, start, write, tok)
             # Final once no mask is left before the output budget or before a stop token.
             masked = (block == mask_id) & in_gen
             first_mask = mx.min(mx.where(masked, pos, self.bl))
@@ -553,10 +551,7 @@ class _BlockLoop:
             edit = editable & ~active & (tok != block) & (conf > self.editing)
             write = write | edit
             block = mx.where(write, tok, block)
-            if self.s.trace is not None:
-                w = np.nonzero(np.array(write))[0]
-                t = np.array(tok)[w]
-                self.s.trace.append((b, s, [int(start + i) for i in w], [int(v) for v in t]))
+            self._trace(b, s, start, write, tok)
             counts = mx.stack([((block == mask_id) & editable).sum(), edit.sum()]).tolist()
             s += 1
             was_active, n_active = n_active, int(counts[0])
