@@ -67,15 +67,19 @@ def _mask_utils():
     return module
 
 
-def _default_rope(config=None, device=None, seq_len=None, **kwargs):
+def _inv_freq(head_dim: int, partial_rotary_factor: float, base: float):
+    """Default-RoPE frequencies of the rotated part, as the hub rotary __init__ builds them."""
     import torch
 
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
-    base = float(getattr(config, "rope_theta", 10000.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim))
-    return inv_freq, 1.0
+    dim = int(head_dim * partial_rotary_factor)
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _default_rope(config=None, device=None, seq_len=None, **kwargs):
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = _inv_freq(head_dim, getattr(config, "partial_rotary_factor", 1.0),
+                         float(getattr(config, "rope_theta", 10000.0)))
+    return inv_freq.to(device), 1.0
 
 
 def install_shims() -> None:
@@ -103,9 +107,8 @@ def _fix_rotary(model, config: dict) -> None:
 
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    dim = int(head_dim * float(config.get("partial_rotary_factor", 0.5)))
-    base = float(config.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = _inv_freq(head_dim, float(config.get("partial_rotary_factor", 0.5)),
+                         float(config.get("rope_theta", 10000.0)))
     for _, module in model.named_modules():
         for name in ("inv_freq", "original_inv_freq"):
             buf = getattr(module, name, None)
@@ -139,15 +142,13 @@ class RemoteModel:
         return logits.float()
 
 
-def load_remote(path, torch_dtype) -> RemoteModel:
-    """Build the checkpoint's own ``AutoModelForCausalLM`` (trust_remote_code)."""
-    import json
-
+def load_remote(path, torch_dtype, config: dict) -> RemoteModel:
+    """Build the checkpoint's own ``AutoModelForCausalLM`` (trust_remote_code);
+    ``config``: its config.json, already read."""
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
     ref = (config.get("auto_map") or {}).get("AutoModelForCausalLM")
     if not ref:
         raise DlmError(f"{path / 'config.json'}: auto_map has no AutoModelForCausalLM entry")

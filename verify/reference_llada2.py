@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from dlm.runtime.errors import ConfigError, DlmError, WeightError
-
 from dlm.runtime.loader import read_json
 
 from .protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
@@ -34,14 +33,10 @@ SEEDED_RUN = {"name": "seeded", "temperature": 0.8, "top_p": 0.95, "seed": 1234}
 _SWITCH = re.compile(r"^(model\.layers\.\d+\.mlp\.)switch_mlp\.(\w+_proj)\.weight$")
 
 
-
-
 def _args(config: dict):
     from dlm.runtime.models.llada2_moe import ModelArgs
 
     return ModelArgs.from_config(config)
-
-
 
 
 # ---------------------------------------------------------------------------
@@ -81,7 +76,7 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
     if weights is None and trust_remote_code and ships_modeling_code(path, config):
         from .llada2_remote import load_remote
 
-        model = load_remote(path, ref_dtype)
+        model = load_remote(path, ref_dtype, config)
         notes.append("forward pass: the checkpoint's own modeling code (--trust-remote-code)")
         return Reference(model, config, generation_config, dtype, path, notes)
     try:
@@ -227,9 +222,10 @@ def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
     bl = _block_length(gc)
     eos = gc.get("eos_token_id")
     eos = list(args.eos_token_ids) if eos is None else (eos if isinstance(eos, list) else [eos])
+    steps = int(steps or gc.get("steps") or 32)
     return dict(
         block_length=bl,
-        steps=int(steps or gc.get("steps") or 32),
+        steps=steps,
         threshold=float(gc.get("threshold") or 0.95),
         max_tokens=int(blocks) * bl,
         eos_token_id=[int(e) for e in eos],
@@ -237,7 +233,7 @@ def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
         runs=[{"name": "greedy", "temperature": 0.0, "top_p": None, "seed": None}, dict(SEEDED_RUN)],
         # The report's names for the budget and the step bound (per run).
         max_new_tokens=int(blocks) * bl,
-        max_denoising_steps=int(steps or gc.get("steps") or 32),
+        max_denoising_steps=steps,
     )
 
 
