@@ -52,6 +52,9 @@ def _tqdm(iterable, desc: str, enabled: bool, total: Optional[int] = None):
     return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
 
 
+def _text_config(config: dict) -> dict:
+    """The language model's config: ``text_config`` when nested (multimodal), else the config."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
 def _adapter(config: dict, where: str):
@@ -129,7 +132,7 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
 
 
 def _sliding_window(config: dict) -> Optional[int]:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     if text.get("use_sliding_window") is False:  # LLaDA-2 carries the key but never uses it
         return None
     value = text.get("sliding_window")
@@ -168,11 +171,8 @@ def _generation_config_differences(settings: dict, generation_config: dict) -> l
 
 
 def _check_compatible(bundle: B.Bundle, config: dict, where: str) -> None:
-    def text(cfg):
-        return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        a, b = text(bundle.config).get(key), text(config).get(key)
+        a, b = _text_config(bundle.config).get(key), _text_config(config).get(key)
         if a != b:
             raise ConfigError(f"{where}: {key} is {b} but the bundle was recorded with {a}")
     if bundle.config.get("canvas_length") != config.get("canvas_length"):
