@@ -64,8 +64,10 @@ def render_card(context: dict, template: Optional[str] = None) -> str:
 
     files = resources.files("dlm.model_cards")
     name = template if template and files.joinpath(template).is_file() else DEFAULT_TEMPLATE
-    env = jinja2.Environment(keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
-    text = env.from_string(files.joinpath(name).read_text()).render(**context)
+    # A family template extends default.md and overrides only its blocks.
+    loader = jinja2.FunctionLoader(lambda n: files.joinpath(n).read_text())
+    env = jinja2.Environment(loader=loader, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    text = env.get_template(name).render(**context)
     return re.sub(r"\n{3,}", "\n\n", text)
 
 
