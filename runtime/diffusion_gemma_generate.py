@@ -69,7 +69,7 @@ def _gen(gen: dict, key: str, default):
     return default if value is None else value
 
 
-def _positive_int(options: dict, key: str, default: int, minimum: int = 1) -> int:
+def _positive_int(options: dict, key: str, default: Optional[int], minimum: int = 1) -> Optional[int]:
     value = options.get(key)
     if value is None:
         return default
@@ -128,9 +128,7 @@ class Settings:
             )
         eos = _gen(gen, "eos_token_id", args.eos_token_ids)
         eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
-        seed = options.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise GenerationError(f"seed must be a non-negative integer (got {seed!r})")
+        seed = _positive_int(options, "seed", None, minimum=0)
         debug = bool(options.get("debug_canvas", False)) or _env_debug_canvas()
 
         # Unset (missing or null) generation_config fields take transformers' global defaults.
