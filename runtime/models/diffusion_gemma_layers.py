@@ -207,9 +207,6 @@ class Attention(nn.Module):
         B, _, S, _ = attn.shape
         return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(B, S, -1))
 
-    def __call__(self, x: mx.array, cache: PrefixCache, offset: int, encode: bool) -> mx.array:
-        return self.output(self.attend(*self.project(x, offset), cache, encode))
-
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
