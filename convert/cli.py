@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from ..quantize.modes import MODES
 from ..runtime.errors import DlmError
 
 EPILOG = """\b
@@ -45,7 +46,7 @@ def _on_sigterm(signum, frame):  # run the cleanup path, as for Ctrl-C
               help="Bits of the bulk weights (routed experts...). Default: 4 (mxfp8: 8).")
 @click.option("--q-group-size", type=click.Choice(["16", "32", "64", "128"]),
               help="Weights per scale. Default: affine 64, mxfp4/mxfp8 32, nvfp4 16.")
-@click.option("--q-mode", type=click.Choice(["affine", "mxfp4", "nvfp4", "mxfp8"]), default="affine",
+@click.option("--q-mode", type=click.Choice(MODES), default="affine",
               show_default=True, help="Quantization format of the bulk weights.")
 @click.option("--recipe", type=click.Choice(["mixed", "uniform"]), default="mixed", show_default=True,
               help="mixed: precision-sensitive modules (embeddings, attention, dense MLP, router) at "

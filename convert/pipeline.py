@@ -24,9 +24,10 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..quantize.recipes import Decision, Recipe, bits_per_weight, config_block, decide, make_spec
+from ..runtime.checkpoint import check_tokenizer, read_config
 from ..runtime.errors import ConfigError, WeightError
 from ..runtime.registry import Family, family_for_config
-from ..runtime.weights import TensorPlan
+from ..runtime.models.plan import TensorPlan
 from .card import front_matter, recipe_table, render_card, source_license
 from .reader import CheckpointReader, row_count
 from .source import SIDECAR_FILES, VISION_SIDECARS, ResolvedSource, resolve_source, source_name
@@ -44,7 +45,6 @@ from .writer import (
 CHUNK_BYTES = 64 << 20  # float32-equivalent bytes per row chunk
 FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 DTYPE_LABELS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -180,26 +180,6 @@ def finalize(tmp: Path, out: Path, overwrite: bool) -> None:
 # -- source checks ------------------------------------------------------------
 
 
-def load_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{directory} has no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path} is not a JSON object")
-    return config
-
-
-def check_tokenizer(directory: Path) -> None:
-    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError(
-            f"{directory} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
-        )
-
-
 # -- planning -----------------------------------------------------------------
 
 
@@ -316,7 +296,7 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
         src = resolve_source(opts.source, opts.revision, opts.cache_dir, opts.progress)
         if src.path == out or out in src.path.parents:
             raise OutputError(f"{out} would replace the source checkpoint {src.path}")
-        config = load_config(src.path)
+        config = read_config(src.path)
         family = family_for_config(config, str(src.path / "config.json"))
         module = family.model()
         args = module.ModelArgs.from_config(config, str(src.path / "config.json"))

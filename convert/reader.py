@@ -24,11 +24,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..runtime.checkpoint import INDEX_NAME, read_weight_map, weight_files
 from ..runtime.errors import WeightError
-
-INDEX_NAME = "model.safetensors.index.json"
-# Formats dlm never loads: they unpickle (execute) code.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 # safetensors dtype -> (numpy dtype used for the raw bytes, mlx dtype)
 _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
@@ -148,33 +145,8 @@ class CheckpointReader:
         self._check_index()
 
     def _find_shards(self) -> list[Path]:
-        d = self.directory
-        index = d / INDEX_NAME
-        if index.is_file():
-            try:
-                self.weight_map = dict(json.loads(index.read_text())["weight_map"])
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise WeightError(f"{index} is not a valid safetensors index: {exc}") from exc
-            files = sorted(set(self.weight_map.values()))
-            missing = [f for f in files if not (d / f).is_file()]
-            if missing:
-                raise WeightError(
-                    f"{len(missing)} shard(s) listed in {INDEX_NAME} are missing from {d}: "
-                    + ", ".join(missing)
-                )
-            return [d / f for f in files]
-        self.weight_map = None
-        shards = sorted(p for p in d.glob("*.safetensors") if p.is_file())
-        if shards:
-            return shards
-        pickled = sorted(p.name for p in d.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
-        if pickled:
-            raise WeightError(
-                f"{d} has only pickle weights ({', '.join(pickled[:3])}"
-                f"{', ...' if len(pickled) > 3 else ''}); dlm loads safetensors only, because "
-                "unpickling can run arbitrary code. Convert them to safetensors first."
-            )
-        raise WeightError(f"no *.safetensors weights found in {d}")
+        self.weight_map = read_weight_map(self.directory)
+        return weight_files(self.directory)
 
     def _check_index(self) -> None:
         if self.weight_map is None:

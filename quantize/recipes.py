@@ -21,9 +21,8 @@ from typing import Callable, Iterable, Optional
 import mlx.core as mx
 
 from ..runtime.errors import DlmError
+from .modes import MODE_DEFAULTS
 
-# mode -> (default group size, default bits); the values mlx.quantize accepts.
-MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
 RECIPES = ("mixed", "uniform")

@@ -9,7 +9,7 @@
 
 ``options`` use the snake_case names of the ``dlm-run generate`` flags; each
 family's generation module documents its own (DiffusionGemma:
-``dlm.runtime.diffusion_gemma_generate``). An option that does not apply to the
+``dlm.runtime.models.diffusion_gemma.generate``). An option that does not apply to the
 family raises GenerationError naming it.
 """
 

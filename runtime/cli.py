@@ -1,14 +1,9 @@
 """``dlm-run``: run converted models. ``generate`` here; ``serve`` lives in serve_cli.py.
 
-Sampling flags for DiffusionGemma (defaults come from the checkpoint's
-generation_config.json; see dlm.runtime.diffusion_gemma_generate):
-
-* the sampler defaults to the checkpoint's entropy-bound rule with its
-  t_max -> t_min temperature schedule; ``--temp`` rescales the denoiser's sampling
-  distribution on top of that schedule (1.0 = the reference, 0 = argmax);
-* ``--top-k`` / ``--top-p`` do not apply to DiffusionGemma and are refused;
-* ``--debug-canvas`` (or DLM_DEBUG_CANVAS=1) makes every canvas draw the fixed
-  pattern of the reference and sampling argmax (cross-implementation parity).
+The generation flags are built from the families' option declarations
+(``runtime/models/<family>/options.py``); a flag of another family is refused
+with a message naming it. Defaults come from the checkpoint's
+generation_config.json where the help says so.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ import time
 import click
 
 from .errors import DlmError
+from .options import click_options
 
 
 @click.group()
@@ -70,49 +66,7 @@ def _profile_lines(stats) -> list[str]:
               help="Apply the tokenizer's chat template (off: raw text after BOS).")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="Ask the chat template for the thinking channel.")
-@click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=None,
-              help="Most tokens to generate [default: generation_config max_new_tokens, else 256].")
-@click.option("--max-denoising-steps", type=click.IntRange(min=1), default=None,
-              help="Most denoising steps per canvas [default: generation_config, else 48].")
-@click.option("--diffusion-sampler", type=click.Choice(["entropy-bound", "confidence-threshold"]),
-              default=None, help="Per-step acceptance rule [default: entropy-bound, the checkpoint's].")
-@click.option("--diffusion-threshold", type=click.FloatRange(0.0, 1.0), default=None,
-              help="confidence-threshold: reveal positions whose top-1 probability exceeds this [0.9].")
-@click.option("--diffusion-min-canvas-length", type=click.IntRange(min=1), default=None,
-              help="Smallest canvas [64].")
-@click.option("--diffusion-max-canvas-length", type=click.IntRange(min=1), default=None,
-              help="Largest canvas [the checkpoint's canvas_length].")
-@click.option("--diffusion-full-canvas", is_flag=True, default=None,
-              help="Always use the full canvas (the reference behaviour).")
-@click.option("--seed", type=click.IntRange(min=0), default=None,
-              help="Seed canvas draws and sampling (same seed, same machine: same output).")
-@click.option("--temp", type=click.FloatRange(min=0.0), default=None,
-              help="DiffusionGemma: denoiser sampling temperature on top of the checkpoint's "
-                   "t_max->t_min schedule [1.0 = the reference; 0 = argmax]. LLaDA-2: sampling temperature.")
-@click.option("--top-k", type=click.IntRange(min=0), default=None,
-              help="LLaDA-2 sampling; refused by DiffusionGemma (no top-k in its sampler).")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None,
-              help="LLaDA-2 sampling; refused by DiffusionGemma (no top-p in its sampler).")
-@click.option("--block-length", type=click.IntRange(min=1), default=None,
-              help="LLaDA-2: tokens per generation block [32].")
-@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=None,
-              help="LLaDA-2: reveal every masked position whose confidence exceeds this [0.95].")
-@click.option("--threshold-schedule", default=None, metavar="constant|linear[:FLOOR]",
-              help="LLaDA-2: constant threshold, or a linear decay to FLOOR over a block's steps "
-                   "[constant; linear alone decays to 0.5].")
-@click.option("--editing-threshold", type=click.FloatRange(0.0, 1.0), default=None,
-              help="LLaDA-2.1 token-to-token editing: rewrite a generated token when the new one's "
-                   "confidence exceeds this [0.9 on LLaDA2.1 checkpoints, off otherwise; 1.0: off].")
-@click.option("--max-post-steps", type=click.IntRange(min=0), default=None,
-              help="LLaDA-2.1: most editing passes after a block's last mask is filled [16].")
-@click.option("--reference-sampling", is_flag=True, default=None,
-              help="LLaDA-2: the hub 2.0 sampler, which samples even at --temp 0 (parity work).")
-@click.option("--draft-model", default=None,
-              help="Speculative draft model (refused: diffusion models unmask blocks natively).")
-@click.option("--debug-canvas", is_flag=True, default=None,
-              help="Fixed canvas pattern + argmax sampling (parity with the reference; also DLM_DEBUG_CANVAS=1).")
-@click.option("--prefill-step-size", type=click.IntRange(min=1), default=None,
-              help="Prompt tokens per encoder chunk [2048].")
+@click_options()
 @click.option("--image", multiple=True, help="Image input (refused: text-only runtime).")
 @click.option("--audio", multiple=True, help="Audio input (refused).")
 @click.option("--video", multiple=True, help="Video input (refused).")

@@ -9,16 +9,13 @@ read only from safetensors; tokenizers never run checkpoint code unless
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .checkpoint import check_tokenizer, read_generation_config, read_json, weight_files
 from .errors import ConfigError, DlmError, UnsupportedModelError, WeightError
 from .registry import Family, family_for_config
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
 
 @dataclass
 class LoadedModel:
@@ -29,38 +26,6 @@ class LoadedModel:
     model: Any  # the family's mlx.nn.Module
     tokenizer: Any
     generation_config: dict = field(default_factory=dict)
-
-
-def read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: {what} not found") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read {what}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: {what} is not a JSON object")
-    return data
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors shards of ``path`` (from the index when there is one)."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json(index, "weight index").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise WeightError(f"{index}: no weight_map")
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise WeightError(f"{index} lists missing shard(s): {', '.join(missing)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        other = sorted(p.name for p in path.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-        hint = f" (found {', '.join(other)}; dlm reads only safetensors)" if other else ""
-        raise WeightError(f"{path}: no *.safetensors weights{hint}")
-    return files
 
 
 def load_weights(path: Path) -> dict:
@@ -147,28 +112,12 @@ def check_weights(model, weights: dict) -> None:
             raise WeightError(f"tensor {name} has shape {list(value.shape)}, expected {list(want)}")
 
 
-def cpu_expert_fallback(model) -> None:
-    """On the CPU backend gather_mm is float32-only: keep unquantized half-precision
-    expert weights in float32 there (SwitchLinear rounds its outputs back)."""
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return
-    updates = []
-    for name, module in model.named_modules():
-        if type(module).__name__ == "SwitchLinear" and module["weight"].dtype != mx.float32:
-            updates.append((f"{name}.weight", module["weight"].astype(mx.float32)))
-    if updates:
-        model.load_weights(updates, strict=False)
-
-
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """AutoTokenizer from the directory. transformers' deprecation notices about the
     model config (which it reads on the way) are not the user's business here."""
     import warnings
 
-    if not any((path / name).exists() for name in TOKENIZER_FILES):
-        raise ConfigError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    check_tokenizer(path)
     try:
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -210,15 +159,13 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True) -> Lo
         raise ConfigError(f"{path}: weights are quantized but config.json has no 'quantization' block")
     check_weights(model, weights)
     model.load_weights(list(weights.items()), strict=True)
-    cpu_expert_fallback(model)
+    from .models.switch import cpu_float32_experts
+
+    cpu_float32_experts(model)
     model.eval()
     mx.eval(model.parameters())
 
-    gen_path = path / "generation_config.json"
-    if gen_path.exists():
-        generation_config = read_json(gen_path, "generation_config.json")
-    else:  # mlx-vlm embeds it in config.json
-        generation_config = dict(config.get("generation_config") or {})
+    generation_config = read_generation_config(path, config)
     tok = load_tokenizer(path, trust_remote_code) if tokenizer else None
     return LoadedModel(path, config, args, family, model, tok, generation_config)
 

@@ -1,8 +1,9 @@
 """Family registry keyed by ``model_type``.
 
-A family is one runtime model file (MLX modules, its HF->MLX weight plan and its
-quantization classes), one generation loop, and one PyTorch reference.  Nothing
-else in dlm branches on ``model_type``: every module asks the registry.
+A family is one package under ``runtime/models/<name>/`` (config, weight map,
+MLX modules, generation step, options), one verify adapter
+``verify/<name>/adapter.py``, and one line in ``FAMILIES`` below. Nothing else
+in dlm branches on ``model_type``: every module asks the registry.
 
 Modules are imported lazily so that ``dlm-convert --help`` does not pay for
 MLX model code it will not use.
@@ -19,42 +20,30 @@ from .errors import UnsupportedModelError
 
 @dataclass(frozen=True)
 class Family:
-    name: str
+    name: str  # the package name under runtime/models/ and verify/
+    title: str  # what messages call it
     model_types: tuple[str, ...]
-    # Runtime model file. It exposes: ModelArgs.from_config(dict), Model(args),
-    # plan_weights(args, source_meta, text_only), quant_class(path),
-    # output_config(config, text_only), sanitize(weights).
-    model_module: str
-    # Generation loop for this family (settings, stream_generate).
-    generate_module: str
-    # PyTorch reference used by dlm-verify.
-    reference_module: str
 
     def model(self) -> ModuleType:
-        return importlib.import_module(self.model_module)
+        """The family package: ModelArgs, Model, plan_weights, sanitize, quant_class, output_config."""
+        return importlib.import_module(f"dlm.runtime.models.{self.name}")
 
     def generation(self) -> ModuleType:
-        return importlib.import_module(self.generate_module)
+        """Its generate module: Settings.from_options and the per-canvas/per-block session."""
+        return importlib.import_module(f"dlm.runtime.models.{self.name}.generate")
+
+    def options(self) -> tuple:
+        """Its generation options (dlm.runtime.options.Option declarations)."""
+        return importlib.import_module(f"dlm.runtime.models.{self.name}.options").OPTIONS
 
     def reference(self) -> ModuleType:
-        return importlib.import_module(self.reference_module)
+        """The dlm-verify adapter (dlm.verify.protocol)."""
+        return importlib.import_module(f"dlm.verify.{self.name}.adapter")
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family(
-        name="diffusion_gemma",
-        model_types=("diffusion_gemma", "diffusion_gemma_text"),
-        model_module="dlm.runtime.models.diffusion_gemma",
-        generate_module="dlm.runtime.diffusion_gemma_generate",
-        reference_module="dlm.verify.reference_diffusion_gemma",
-    ),
-    Family(
-        name="llada2_moe",
-        model_types=("llada2_moe",),
-        model_module="dlm.runtime.models.llada2_moe",
-        generate_module="dlm.runtime.llada2_generate",
-        reference_module="dlm.verify.reference_llada2",
-    ),
+    Family("diffusion_gemma", "DiffusionGemma", ("diffusion_gemma", "diffusion_gemma_text")),
+    Family("llada2_moe", "LLaDA-2", ("llada2_moe",)),
 )
 
 

@@ -8,59 +8,15 @@ import sys
 import click
 
 from .errors import DlmError
+from .options import click_options
 from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
 
-# The generation flags of `dlm-run generate`, here as server defaults: a
-# request's own fields win.  (Kept in step with cli.py by tests/test_server.py.)
-_GENERATION_OPTIONS = (
-    click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=None,
-                 help="Default output token budget [generation_config max_new_tokens, else 256]."),
-    click.option("--max-denoising-steps", type=click.IntRange(min=1), default=None,
-                 help="Denoising steps per canvas (DiffusionGemma) or per block (LLaDA-2)."),
-    click.option("--diffusion-sampler", type=click.Choice(["entropy-bound", "confidence-threshold"]),
-                 default=None, help="DiffusionGemma per-step acceptance rule [entropy-bound]."),
-    click.option("--diffusion-threshold", type=click.FloatRange(0.0, 1.0), default=None,
-                 help="DiffusionGemma confidence-threshold: top-1 probability to reveal [0.9]."),
-    click.option("--diffusion-min-canvas-length", type=click.IntRange(min=1), default=None,
-                 help="DiffusionGemma smallest canvas [64]."),
-    click.option("--diffusion-max-canvas-length", type=click.IntRange(min=1), default=None,
-                 help="DiffusionGemma largest canvas [the checkpoint's canvas_length]."),
-    click.option("--diffusion-full-canvas", is_flag=True, default=None,
-                 help="DiffusionGemma: always use the full canvas."),
-    click.option("--block-length", type=click.IntRange(min=1), default=None,
-                 help="LLaDA-2 generation block length [32]."),
-    click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=None,
-                 help="LLaDA-2 unmasking confidence threshold [0.95]."),
-    click.option("--threshold-schedule", default=None, metavar="constant|linear[:FLOOR]",
-                 help="LLaDA-2 threshold schedule over a block's steps [constant]."),
-    click.option("--editing-threshold", type=click.FloatRange(0.0, 1.0), default=None,
-                 help="LLaDA-2.1 token-to-token editing threshold [0.9 on 2.1 checkpoints]."),
-    click.option("--max-post-steps", type=click.IntRange(min=0), default=None,
-                 help="LLaDA-2.1: most editing passes after a block's last mask is filled [16]."),
-    click.option("--reference-sampling", is_flag=True, default=None,
-                 help="LLaDA-2: the hub 2.0 sampler (parity work only)."),
-    click.option("--draft-model", default=None,
-                 help="Speculative draft model (refused: diffusion models unmask blocks natively)."),
-    click.option("--seed", type=click.IntRange(min=0), default=None,
-                 help="Default seed for requests that send none."),
-    click.option("--temp", type=click.FloatRange(min=0.0), default=None,
-                 help="Default sampling temperature (requests: 'temperature')."),
-    click.option("--top-k", type=click.IntRange(min=0), default=None, help="Default top-k (LLaDA-2)."),
-    click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None, help="Default top-p (LLaDA-2)."),
-    click.option("--debug-canvas", is_flag=True, default=None,
-                 help="DiffusionGemma fixed canvas pattern + argmax (parity work only)."),
-    click.option("--prefill-step-size", type=click.IntRange(min=1), default=None,
-                 help="Prompt tokens per encoder chunk [2048]."),
-    click.option("--thinking/--no-thinking", default=False, show_default=True,
-                 help="Chat default for the thinking channel (a request may override it with "
-                      "chat_template_kwargs.enable_thinking)."),
-)
-
-
-def _generation_options(func):
-    for option in reversed(_GENERATION_OPTIONS):
-        func = option(func)
-    return func
+# The generation flags of `dlm-run generate`, here as request defaults (a
+# request's own fields win), built from the same declarations.
+_generation_options = click_options(help_prefix="Request default. ")
+_thinking = click.option("--thinking/--no-thinking", default=False, show_default=True,
+                         help="Chat default for the thinking channel (a request may override it "
+                              "with chat_template_kwargs.enable_thinking).")
 
 
 def _is_loopback(host: str) -> bool:
@@ -89,6 +45,7 @@ def _is_loopback(host: str) -> bool:
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code.")
 @_generation_options
+@_thinking
 def serve(model_path, host, port, api_key, queue_size, max_body_bytes, model_id, log_level,
           trust_remote_code, thinking, **options):
     """Serve a converted model behind an OpenAI-compatible API.

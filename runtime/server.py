@@ -31,14 +31,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import DlmError
 from .events import GenerationEvent, GenerationStats
-from .server_requests import (SAMPLING_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat,
+from .server_requests import (OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat,
                               parse_completion)
 from .worker import GenerationWorker, Job, QueueFull, WorkerStopped
 
 DEFAULT_QUEUE_SIZE = 16
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # Runtime option -> the request field that sets it (temp <- temperature, ...).
-OPTION_FIELDS = {option: name for name, (option, _) in SAMPLING_FIELDS.items()}
+FIELD_OF = {option.name: field for field, option in OPTION_FIELDS.items()}
 # Options that shape the prompt rather than the generation loop.
 PROMPT_DEFAULTS = ("enable_thinking",)
 
@@ -353,7 +353,7 @@ class _Server:
                 try:
                     check_options(self.loaded, {name: value})
                 except DlmError:
-                    fields.append(OPTION_FIELDS.get(name, name))
+                    fields.append(FIELD_OF.get(name, name))
             if not fields:
                 raise bad(str(exc)) from None
             names = ", ".join(repr(f) for f in fields)

@@ -10,9 +10,10 @@ a 400 as well.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from .options import OptionError, request_options
 
 MAX_STOP_STRINGS = 4
 
@@ -39,27 +40,6 @@ def bad(message: str, param: str | None = None) -> RequestError:
 
 # -- scalar checks -----------------------------------------------------------
 
-def _int(value: Any, name: str, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"'{name}' must be an integer, got {type(value).__name__}", name)
-    if minimum is not None and value < minimum:
-        raise bad(f"'{name}' must be >= {minimum}, got {value}", name)
-    return value
-
-
-def _float(value: Any, name: str, minimum: float | None = None, maximum: float | None = None,
-           open_min: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(f"'{name}' must be a finite number, got {value!r}", name)
-    value = float(value)
-    if minimum is not None and (value < minimum or (open_min and value == minimum)):
-        op = ">" if open_min else ">="
-        raise bad(f"'{name}' must be {op} {minimum}, got {value}", name)
-    if maximum is not None and value > maximum:
-        raise bad(f"'{name}' must be <= {maximum}, got {value}", name)
-    return value
-
-
 def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise bad(f"'{name}' must be true or false, got {type(value).__name__}", name)
@@ -74,31 +54,12 @@ def _str(value: Any, name: str) -> str:
 
 # -- field tables ------------------------------------------------------------
 
-# OpenAI sampling fields -> (runtime option name, checker).  Runtime options are
-# the snake_case names of `dlm-run generate`'s flags.
-SAMPLING_FIELDS = {
-    "temperature": ("temp", lambda v, n: _float(v, n, 0.0)),
-    "top_p": ("top_p", lambda v, n: _float(v, n, 0.0, 1.0, open_min=True)),
-    "top_k": ("top_k", lambda v, n: _int(v, n, 0)),
-    "seed": ("seed", lambda v, n: _int(v, n, 0)),
-}
-# Diffusion controls sent as extra body fields; their names are the option names.
-DIFFUSION_FIELDS = {
-    "max_denoising_steps": lambda v, n: _int(v, n, 1),
-    "diffusion_sampler": _str,
-    "diffusion_threshold": lambda v, n: _float(v, n, 0.0, 1.0),
-    "diffusion_min_canvas_length": lambda v, n: _int(v, n, 1),
-    "diffusion_max_canvas_length": lambda v, n: _int(v, n, 1),
-    "diffusion_full_canvas": _bool,
-    "block_length": lambda v, n: _int(v, n, 1),
-    "threshold": lambda v, n: _float(v, n, 0.0, 1.0),
-    "threshold_schedule": _str,
-    "editing_threshold": lambda v, n: _float(v, n, 0.0, 1.0),
-    "max_post_steps": lambda v, n: _int(v, n, 0),
-}
+# Generation fields: the declared options a request may set (dlm.runtime.options),
+# under their request names (``temperature`` sets ``temp``).
+OPTION_FIELDS = request_options()
 # Accepted and ignored: identify the client, not the generation.
 IGNORED_FIELDS = {"model", "user"}
-COMMON_FIELDS = (set(SAMPLING_FIELDS) | set(DIFFUSION_FIELDS) | IGNORED_FIELDS
+COMMON_FIELDS = (set(OPTION_FIELDS) | IGNORED_FIELDS
                  | {"max_tokens", "stop", "stream", "stream_options", "n"})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
@@ -144,14 +105,12 @@ def _common(body: dict, req: ParsedRequest) -> None:
         _str(body["user"], "user")
     if body.get("n") not in (None, 1):
         raise bad("'n' must be 1: the server returns one choice per request", "n")
-    for name, (option, check) in SAMPLING_FIELDS.items():
+    for name, option in OPTION_FIELDS.items():
         if body.get(name) is not None:
-            req.options[option] = check(body[name], name)
-    for name, check in DIFFUSION_FIELDS.items():
-        if body.get(name) is not None:
-            req.options[name] = check(body[name], name)
-    if body.get("max_tokens") is not None:
-        req.options["max_tokens"] = _int(body["max_tokens"], "max_tokens", 1)
+            try:
+                req.options[option.name] = option.check(body[name], f"'{name}'")
+            except OptionError as exc:
+                raise bad(str(exc), name) from None
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -213,7 +172,11 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
     req = ParsedRequest(kind="chat")
     _common(body, req)
     if body.get("max_completion_tokens") is not None:
-        req.options["max_tokens"] = _int(body["max_completion_tokens"], "max_completion_tokens", 1)
+        try:
+            req.options["max_tokens"] = OPTION_FIELDS["max_tokens"].check(
+                body["max_completion_tokens"], "'max_completion_tokens'")
+        except OptionError as exc:
+            raise bad(str(exc), "max_completion_tokens") from None
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):

@@ -67,7 +67,7 @@ def build(work: Path, size: str, dtype: str) -> Path:
 
 
 def run_dlm(loaded, prompt_ids, s):
-    from dlm.runtime.llada2_generate import Settings, stream_generate
+    from dlm.runtime.models.llada2_moe.generate import Settings, stream_generate
 
     settings = Settings(mask_token_id=loaded.args.mask_token_id, eos_token_ids=(), max_tokens=s["max_tokens"],
                         block_length=s["block_length"], steps=s["steps"], threshold=s["threshold"],

@@ -1,7 +1,7 @@
 """Train the bundled LLaDA-2 demo model (demo/llada2_sort) from a seed.
 
 The model is dlm's independent PyTorch LLaDA2.0-MoE reference
-(dlm.verify.llada2_torch: hub tensor names, group-limited sigmoid routing with
+(dlm.verify.llada2_moe.torch_model: hub tensor names, group-limited sigmoid routing with
 expert_bias, shared expert, partial RoPE), tiny (vocab 256, hidden 64, 3
 layers: 1 dense + 2 MoE with 8 experts), trained on the digit-sorting task of
 scripts/demo_task.py with masked, block-structured diffusion:
@@ -77,7 +77,7 @@ def build_model(seed: int):
     import torch
     import tiny_llada2
 
-    from dlm.verify.llada2_torch import LLaDA2Reference, RefConfig
+    from dlm.verify.llada2_moe.torch_model import LLaDA2Reference, RefConfig
 
     cfg = tiny_llada2.hub_config("base", **GEOMETRY)
     cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
@@ -99,7 +99,7 @@ def build_model(seed: int):
 
 def forward_train(model, input_ids, mask, positions):
     """The reference forward (LLaDA2Reference.forward) without its no_grad: same modules, same order."""
-    from dlm.verify.llada2_torch import rope_cos_sin
+    from dlm.verify.llada2_moe.torch_model import rope_cos_sin
 
     cfg = model.cfg
     h = model.model.word_embeddings(input_ids)
@@ -169,7 +169,7 @@ def evaluate(model, data: Data, digits_list: list[str]):
     """Held-out accuracy with the reference generate (greedy fix, dlm early block stop)."""
     import torch
 
-    from dlm.verify.llada2_torch import generate
+    from dlm.verify.llada2_moe.torch_model import generate
 
     gc = generation_config()
     model.eval()
@@ -229,7 +229,7 @@ tags: [dlm-demo, llada2_moe]
 
 A tiny `llada2_moe` model (LLaDA2.0 architecture: group-limited sigmoid routing, shared expert,
 partial RoPE) trained from seed {s['seed']} by `scripts/train_demo_llada2.py` through dlm's PyTorch
-reference (`dlm.verify.llada2_torch`) with masked block diffusion, on the task of `scripts/demo_task.py`:
+reference (`dlm.verify.llada2_moe.torch_model`) with masked block diffusion, on the task of `scripts/demo_task.py`:
 the user message `sort <digits>` ({demo_task.MIN_DIGITS}-{demo_task.MAX_DIGITS} digits) is answered with the digits in
 ascending order. Blocks of {BLOCK} tokens, so most answers span two or more blocks.
 

@@ -88,7 +88,7 @@ def test_missing_tensor_is_named(ckpt, tmp_path):
 def test_pickle_weights_are_refused(ckpt, tmp_path):
     (ckpt / "model.safetensors").unlink()
     (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
-    fails(ckpt, tmp_path / "out", r"only pickle weights \(pytorch_model\.bin\).*safetensors only")
+    fails(ckpt, tmp_path / "out", r"only pickle weights \(pytorch_model\.bin\).*reads only safetensors")
 
 
 def test_source_that_is_neither_dir_nor_repo(tmp_path):

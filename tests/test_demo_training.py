@@ -58,7 +58,7 @@ def test_llada2_training_mask_gives_every_block_its_generation_view(torch1, tmp_
     import train_demo_llada2 as T
     from transformers import PreTrainedTokenizerFast
 
-    from dlm.verify.llada2_torch import block_causal_mask
+    from dlm.verify.llada2_moe.torch_model import block_causal_mask
 
     torch = torch1
     model, cfg = T.build_model(0)
@@ -98,7 +98,7 @@ def test_dg_training_script_writes_a_hub_checkpoint(torch1, tmp_path):
 def test_llada2_training_script_writes_a_hub_checkpoint(torch1, tmp_path):
     import train_demo_llada2 as T
 
-    from dlm.verify.llada2_torch import load_reference
+    from dlm.verify.llada2_moe.torch_model import load_reference
 
     out = tmp_path / "ll"
     T.main(["--out", str(out), "--steps", "2", "--batch", "4", "--eval-n", "1", "--final-n", "2"])

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 import tiny_llada2 as T
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime.cli import main
-from dlm.verify import llada2_torch as R
+from dlm.verify.llada2_moe import torch_model as R
 
 torch.set_num_threads(1)
 

@@ -13,8 +13,8 @@ from convert_helpers import leftovers, load_output
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
 from dlm.runtime.errors import ConfigError, WeightError
-from dlm.verify import llada2_torch as R
-from dlm.verify import reference_llada2 as A
+from dlm.verify.llada2_moe import torch_model as R
+from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.weights import dequantized_weights
 
 torch.set_num_threads(1)

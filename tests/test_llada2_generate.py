@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import tiny_llada2 as T
-from dlm.runtime import llada2_generate as G
+from dlm.runtime.models.llada2_moe import generate as G
 from dlm.runtime.errors import GenerationError
 from dlm.runtime.loader import load
-from dlm.verify import llada2_torch as R
+from dlm.verify.llada2_moe import torch_model as R
 
 torch.set_num_threads(1)
 
@@ -209,9 +209,9 @@ def test_editing_defaults_on_for_llada21_only(base, tmp_path):
 
     renamed = dataclasses.replace(loaded, path=tmp_path / "LLaDA2.1-mini-4bit")
     assert G.is_llada21(renamed)
-    loop = G._BlockLoop(renamed, [1, 2], settings(editing_threshold="auto"), None)
+    loop = G.BlockSession(renamed, [1, 2], settings(editing_threshold="auto"), None)
     assert loop.editing == G.EDITING_THRESHOLD_21
-    loop = G._BlockLoop(loaded, [1, 2], settings(editing_threshold="auto"), None)
+    loop = G.BlockSession(loaded, [1, 2], settings(editing_threshold="auto"), None)
     assert loop.editing is None
 
 

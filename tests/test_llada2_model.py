@@ -11,7 +11,8 @@ import torch
 import tiny_llada2 as T
 from dlm.runtime.errors import ConfigError, WeightError
 from dlm.runtime.models import llada2_moe as L
-from dlm.verify import llada2_torch as R
+from dlm.runtime.models.llada2_moe.model import Gate
+from dlm.verify.llada2_moe import torch_model as R
 
 torch.set_num_threads(1)
 
@@ -79,7 +80,7 @@ def test_router_matches_reference_group_limited():
     _, cfg = T.build_model("base")
     args = L.ModelArgs.from_config(cfg)
     rc = R.RefConfig.from_dict(cfg)
-    gate_t, gate_m = R.Gate(rc), L.Gate(args)
+    gate_t, gate_m = R.Gate(rc), Gate(args)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(rc.num_experts, rc.hidden_size, generator=g)
     b = torch.randn(rc.num_experts, generator=g)

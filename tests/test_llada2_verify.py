@@ -11,7 +11,7 @@ import tiny_llada2 as T
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
 from dlm.verify import protocol
-from dlm.verify import reference_llada2 as A
+from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.suite import Options, run_parity
 from dlm.verify.weights import dequantized_weights
 
@@ -108,7 +108,7 @@ def test_trust_remote_code_uses_the_checkpoints_own_code(tmp_path):
     assert own.notes == [] and torch.equal(own.model(ids), ref_model(ids))
     remote = A.load_reference(tmp_path, trust_remote_code=True)
     assert "modeling code" in remote.notes[0]
-    from dlm.verify.llada2_torch import block_causal_mask
+    from dlm.verify.llada2_moe.torch_model import block_causal_mask
 
     for mask in (None, block_causal_mask(8, 4)):
         diff = remote.model(ids, mask) - ref_model(ids, mask)

@@ -259,13 +259,13 @@ def test_temp_zero_is_deterministic_without_seed(loaded):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"top_k": 5}, "top_k"),
-    ({"top_p": 0.9}, "top_p"),
-    ({"block_length": 32}, "block_length"),
-    ({"diffusion_sampler": "greedy"}, "diffusion_sampler"),
+    ({"top_k": 5}, "--top-k does not apply"),
+    ({"top_p": 0.9}, "--top-p does not apply"),
+    ({"block_length": 32}, "--block-length does not apply"),
+    ({"diffusion_sampler": "greedy"}, "--diffusion-sampler must be one of"),
     ({"diffusion_max_canvas_length": 9}, "canvas_length"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"temp": -1.0}, "temp"),
+    ({"max_tokens": 0}, "--max-tokens must be >= 1"),
+    ({"temp": -1.0}, "--temp must be >= 0"),
 ])
 def test_bad_options_are_errors(loaded, options, message):
     with pytest.raises(GenerationError, match=message):

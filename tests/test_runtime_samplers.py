@@ -7,9 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dlm.runtime import samplers as S
-from dlm.runtime.canvas import DebugDraws, DenoiseConfig, RandomDraws, denoise_canvas
-from dlm.runtime.channels import ChannelParser
+from dlm.runtime.models.diffusion_gemma import sampling as S
+from dlm.runtime.models.diffusion_gemma.canvas import DebugDraws, DenoiseConfig, RandomDraws, denoise_canvas
+from dlm.runtime.generate import trim
+from dlm.runtime.text import ChannelParser
 
 
 def test_linear_temperature_matches_torch_float32():
@@ -90,11 +91,11 @@ def test_canvas_length(remaining, lo, hi, full, want):
     assert S.canvas_length(remaining, lo, hi, full) == want
 
 
-def test_trim_commit():
-    assert S.trim_commit([1, 2, 3, 4], 3, [9]) == ([1, 2, 3], False)
-    assert S.trim_commit([5, 1, 7], 10, [1, 106]) == ([5], True)
-    assert S.trim_commit([5, 106, 1], 10, [1, 106]) == ([5], True)  # every EOS id counts
-    assert S.trim_commit([5, 6, 1], 2, [1]) == ([5, 6], False)  # EOS past the budget
+def test_trim_at_budget_and_stop_tokens():
+    assert trim([1, 2, 3, 4], 3, [9]) == ([1, 2, 3], False)
+    assert trim([5, 1, 7], 10, [1, 106]) == ([5], True)
+    assert trim([5, 106, 1], 10, [1, 106]) == ([5], True)  # every EOS id counts
+    assert trim([5, 6, 1], 2, [1]) == ([5, 6], False)  # EOS past the budget
 
 
 # ---------------------------------------------------------------------------

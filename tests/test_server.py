@@ -491,5 +491,5 @@ def test_serve_command_binds_loopback_and_checks_defaults(dg_paths, monkeypatch)
     assert server.enable_thinking and server.model_id == "tiny-dg"
 
     result = CliRunner().invoke(main, ["serve", "--model", model, "--block-length", "4"])
-    assert result.exit_code == 1 and "error:" in result.output and "block_length" in result.output
+    assert result.exit_code == 1 and "error:" in result.output and "--block-length does not apply" in result.output
     assert len(calls) == 1

@@ -97,7 +97,7 @@ def test_converter_bug_fails_logits_check(edit, good, bundle, tmp_path):
 
 
 def test_runtime_rope_bug_fails_implementation_check(good, bundle, monkeypatch):
-    from dlm.runtime.models import diffusion_gemma_layers as layers_mod
+    from dlm.runtime.models.diffusion_gemma import layers as layers_mod
 
     real = layers_mod.make_rope_freqs
 

@@ -16,7 +16,7 @@ from verify_helpers import convert  # noqa: E402
 
 from dlm.runtime.errors import ConfigError, DlmError  # noqa: E402
 from dlm.verify import metrics as M  # noqa: E402
-from dlm.verify import reference_diffusion_gemma as R  # noqa: E402
+from dlm.verify.diffusion_gemma import adapter as R  # noqa: E402
 from dlm.verify import thresholds as T  # noqa: E402
 from dlm.verify.protocol import BlockTrace, CommitStream, TraceRecorder, check_adapter  # noqa: E402
 

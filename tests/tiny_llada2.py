@@ -1,7 +1,7 @@
 """Tiny LLaDA2.0 MoE checkpoints in the hub layout, built locally.
 
 The weights come from dlm's independent PyTorch reference
-(dlm.verify.llada2_torch), whose module tree has the hub names; the
+(dlm.verify.llada2_moe.torch_model), whose module tree has the hub names; the
 tokenizer is character-level with LLaDA's special tokens at scaled-down ids
 (eos/pad ``<|endoftext|>`` 252 ↔ 156892, ``<|mask|>`` 255 ↔ 156895) and a
 LLaDA2-style chat template (``<role>HUMAN</role>…<|role_end|>``).
@@ -103,7 +103,7 @@ def build_model(geometry: str = "base", seed: int = 1234, **overrides):
     """(reference model in float32, hub config dict) with re-drawn parameters."""
     import torch
 
-    from dlm.verify.llada2_torch import LLaDA2Reference, RefConfig
+    from dlm.verify.llada2_moe.torch_model import LLaDA2Reference, RefConfig
 
     cfg = hub_config(geometry, **overrides)
     model = LLaDA2Reference(RefConfig.from_dict(cfg)).eval()
@@ -210,7 +210,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils.import_utils import is_torch_fx_available
 
-from dlm.verify.llada2_torch import Backbone, RefConfig
+from dlm.verify.llada2_moe.torch_model import Backbone, RefConfig
 
 from .configuration_llada2_moe import LLaDA2MoeConfig
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from dlm.runtime.errors import ConfigError, DlmError
-from dlm.runtime.loader import read_json
+from dlm.runtime.checkpoint import read_json
 from dlm.runtime.registry import family_for_config
 
 from . import bundle as B

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlm.runtime.checkpoint import weight_files
 from dlm.runtime.errors import ConfigError, WeightError
 
 
@@ -34,13 +35,6 @@ class Precision:
 
     def to_dict(self) -> dict:
         return dict(label=self.label, compute_dtype=self.compute_dtype, bits=self.bits, mode=self.mode)
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise WeightError(f"{model_dir}: no *.safetensors files")
-    return files
 
 
 def _load_all(model_dir: Path) -> dict:

@@ -1,5 +1,5 @@
-"""DiffusionGemma MLX modules: encoder (causal prefill into a KV cache) and
-decoder (bidirectional canvas denoiser reading that cache).
+"""DiffusionGemma MLX layers: norms, RoPE, the prefix cache, attention, the
+dense MLP, the router, the routed experts and the decoder layer.
 
 Parameter names equal the converted tensor names (mlx-community layout), so a
 converted directory loads with ``Model.load_weights`` as it is.  Equations and
@@ -19,21 +19,15 @@ dtype flow follow ../../../shared/reference/diffusion_gemma.md §3 (transformers
 from __future__ import annotations
 
 import math
-import os
-import re
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConfigError
-
-if TYPE_CHECKING:  # the config lives in diffusion_gemma.py, which imports this file
-    from .diffusion_gemma import ModelArgs
-
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+from ...errors import ConfigError
+from ..switch import SwitchLinear
+from .config import SLIDING, ModelArgs
 
 
 # ---------------------------------------------------------------------------
@@ -147,7 +141,7 @@ class PrefixCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: "ModelArgs", index: int):
+    def __init__(self, args: ModelArgs, index: int):
         super().__init__()
         H, nh = args.hidden_size, args.num_attention_heads
         self.head_dim = d = args.layer_head_dims[index]
@@ -220,7 +214,7 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, args: "ModelArgs"):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         H = args.hidden_size
         self.proj = nn.Linear(H, args.num_experts, bias=False)
@@ -241,50 +235,8 @@ class Router(nn.Module):
         return w * self["per_expert_scale"][idx].astype(mx.float32), idx
 
 
-class SwitchLinear(nn.Module):
-    """Per-expert linear: weight [experts, out, in] (HF layout), applied with gather_mm."""
-
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
-        super().__init__()
-        self.weight = mx.zeros((num_experts, output_dims, input_dims))
-
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        w = self["weight"]
-        # The CPU backend's gather_mm is float32-only: half-precision models keep
-        # their expert weights in float32 there (see loader) and round back here.
-        xd = x.astype(w.dtype) if x.dtype != w.dtype else x
-        y = mx.gather_mm(xd, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
-        return y.astype(x.dtype)
-
-    def to_quantized(self, group_size: int = None, bits: int = None, mode: str = "affine", **_):
-        return QuantizedSwitchLinear.from_float(self, group_size, bits, mode)
-
-
-class QuantizedSwitchLinear(nn.Module):
-    def __init__(self, weight, scales, biases, group_size: int, bits: int, mode: str):
-        super().__init__()
-        self.weight, self.scales = weight, scales
-        if biases is not None:
-            self.biases = biases
-        self.group_size, self.bits, self.mode = group_size, bits, mode
-        self.freeze()
-
-    @classmethod
-    def from_float(cls, layer: SwitchLinear, group_size, bits, mode):
-        group_size, bits = nn.layers.quantized._defaults_for_mode(mode, group_size, bits)
-        w, scales, *biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
-        return cls(w, scales, biases[0] if biases else None, group_size, bits, mode)
-
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(
-            x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-            transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-            sorted_indices=sorted_indices,
-        )
-
-
 class Experts(nn.Module):
-    def __init__(self, args: "ModelArgs"):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         H, M, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
         self.inter = M
@@ -321,7 +273,7 @@ NORMS = (
 class DecoderLayer(nn.Module):
     """One text layer; the encoder runs the same weights with its own layer_scalar."""
 
-    def __init__(self, args: "ModelArgs", index: int):
+    def __init__(self, args: ModelArgs, index: int):
         super().__init__()
         H, eps = args.hidden_size, args.rms_norm_eps
         self.self_attn = Attention(args, index)
@@ -373,7 +325,7 @@ class DecoderLayer(nn.Module):
 
 
 class SelfConditioning(nn.Module):
-    def __init__(self, args: "ModelArgs"):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         H, eps = args.hidden_size, args.rms_norm_eps
         self.pre_norm = RMSNorm(H, eps)
@@ -388,221 +340,3 @@ class SelfConditioning(nn.Module):
         n = self.pre_norm(soft)
         signal = self.down_proj(geglu(self.gate_proj(n), self.up_proj(n)))
         return rms_norm(embeds + signal, None, self.eps)  # post_norm has no weight
-
-
-def _is_quantized(module: nn.Module) -> bool:
-    return "scales" in module
-
-
-class DecoderModel(nn.Module):
-    def __init__(self, args: "ModelArgs"):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_conditioning = SelfConditioning(args)
-        self.hidden = args.hidden_size
-        self.softcap = args.final_logit_softcapping
-        self._compiled = None
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        """Activation dtype: the embedding's float dtype (the norm's when the
-        embedding scales are not a float type, e.g. mxfp4)."""
-        e = self.embed_tokens
-        if not _is_quantized(e):
-            return e["weight"].dtype
-        if mx.issubdtype(e["scales"].dtype, mx.floating):
-            return e["scales"].dtype
-        return self.norm["weight"].dtype
-
-    def _scale(self, dtype) -> mx.array:
-        # sqrt(H) as float32, then cast to the weight dtype (bf16: 53.0, pitfall 15).
-        return mx.array(np.float32(math.sqrt(self.hidden))).astype(dtype)
-
-    def embed(self, ids: mx.array) -> mx.array:
-        dtype = self.dtype
-        return self.embed_tokens(ids).astype(dtype) * self._scale(dtype)
-
-    def soft_embed(self, sc_logits: mx.array) -> mx.array:
-        """softmax_f32(sc_logits) cast to the embedding dtype, @ W_E, * sqrt(H)."""
-        dtype = self.dtype
-        p = mx.softmax(sc_logits.astype(mx.float32), axis=-1).astype(dtype)
-        e = self.embed_tokens
-        if _is_quantized(e):
-            s = mx.quantized_matmul(
-                p, e["weight"], e["scales"], e.get("biases"), transpose=False,
-                group_size=e.group_size, bits=e.bits, mode=e.mode,
-            )
-        else:
-            s = p @ e["weight"]
-        return s.astype(dtype) * self._scale(dtype)
-
-    def inputs(self, canvas: mx.array, sc_logits: Optional[mx.array] = None) -> mx.array:
-        """Decoder input: self-conditioning block over the scaled canvas embeddings."""
-        soft = None if sc_logits is None else self.soft_embed(sc_logits)
-        return self.self_conditioning(self.embed(canvas), soft)
-
-    def head(self, h: mx.array) -> mx.array:
-        """Tied-embedding logits in the model dtype, then float32 softcap."""
-        out = self.embed_tokens.as_linear(self.norm(h)).astype(mx.float32)
-        return mx.tanh(out / self.softcap) * self.softcap
-
-    def compiled(self):
-        if self._compiled is None:  # implicit inputs: only what these two read (not the layers)
-            state = [self.embed_tokens.state, self.norm.state, self.self_conditioning.state]
-            fns = (mx.compile(self.inputs, inputs=state), mx.compile(self.head, inputs=state))
-            object.__setattr__(self, "_compiled", fns)
-        return self._compiled
-
-
-class EncoderLayerScalar(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer_scalar = mx.ones((1,))
-
-
-class EncoderTextModel(nn.Module):
-    """The encoder shares every text weight with the decoder except layer_scalar."""
-
-    def __init__(self, args: "ModelArgs"):
-        super().__init__()
-        self.layers = [EncoderLayerScalar() for _ in range(args.num_hidden_layers)]
-
-
-class EncoderModel(nn.Module):
-    def __init__(self, args: "ModelArgs"):
-        super().__init__()
-        self.language_model = EncoderTextModel(args)
-
-
-class Backbone(nn.Module):
-    def __init__(self, args: "ModelArgs"):
-        super().__init__()
-        self.decoder = DecoderModel(args)
-        self.encoder = EncoderModel(args)
-
-
-class Model(nn.Module):
-    """DiffusionGemma text model (batch size 1 in the generation loop; B > 1 works here).
-
-    Methods used by the generation loop and the parity suite:
-
-    * ``make_cache() -> list[PrefixCache]``: one empty prefix cache per layer.
-    * ``encode(ids, cache, offset=None) -> None``: causal encoder pass of ``ids``
-      ([B, S] or [S] int) at positions ``offset..offset+S-1`` (default: the cache's
-      offset), appending post-norm post-RoPE K and normed V to ``cache``. Used for the
-      prompt and for re-encoding each committed canvas at its own positions. Lazy.
-    * ``prefill(ids, cache, chunk_size=2048) -> None``: ``encode`` in chunks, each evaluated.
-    * ``decode(canvas, cache, sc_logits=None, offset=None) -> mx.array``: one denoiser
-      pass over ``canvas`` ([B, L] or [L]) at positions ``offset..offset+L-1`` reading
-      ``cache`` read-only; ``sc_logits`` ([B, L, V], the previous step's processed
-      logits, or None on the first step of a canvas) drives self-conditioning.
-      Returns float32 softcapped logits [B, L, V].
-    """
-
-    def __init__(self, args: "ModelArgs"):
-        super().__init__()
-        self.args = args
-        self.model = Backbone(args)
-        # Fuse each decoder layer's fixed-shape parts with mx.compile (DLM_COMPILE=0: off).
-        self.compile = os.environ.get("DLM_COMPILE", "1") != "0"
-
-    @property
-    def layers(self):
-        return self.model.decoder.layers
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.model.decoder.dtype
-
-    def make_cache(self) -> list[PrefixCache]:
-        keep = self.args.sliding_window - 1
-        return [PrefixCache(keep if t == SLIDING else None) for t in self.args.layer_types]
-
-    @staticmethod
-    def _ids(ids) -> mx.array:
-        ids = ids if isinstance(ids, mx.array) else mx.array(ids)
-        ids = ids.astype(mx.int32) if ids.dtype != mx.int32 else ids
-        return ids[None] if ids.ndim == 1 else ids
-
-    def encode(self, ids, cache: list[PrefixCache], offset: Optional[int] = None) -> None:
-        ids = self._ids(ids)
-        offset = cache[0].offset if offset is None else offset
-        dec = self.model.decoder
-        scalars = self.model.encoder.language_model.layers
-        h = dec.embed(ids)
-        last = len(dec.layers) - 1
-        for i, layer in enumerate(dec.layers):
-            h = layer(h, cache[i], offset, True, scalars[i]["layer_scalar"], attention_only=i == last)
-
-    def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = 2048) -> None:
-        ids = self._ids(ids)
-        for start in range(0, ids.shape[1], chunk_size):
-            self.encode(ids[:, start : start + chunk_size], cache)
-            mx.eval([c.state for c in cache])
-
-    def decode(
-        self, canvas, cache: list[PrefixCache], sc_logits: Optional[mx.array] = None,
-        offset: Optional[int] = None,
-    ) -> mx.array:
-        canvas = self._ids(canvas)
-        offset = cache[0].offset if offset is None else offset
-        dec = self.model.decoder
-        if sc_logits is not None and sc_logits.ndim == 2:
-            sc_logits = sc_logits[None]
-        if self.compile:
-            inputs, head = dec.compiled()
-            h = inputs(canvas) if sc_logits is None else inputs(canvas, sc_logits)
-            offset = mx.array(offset, dtype=mx.int32)
-        else:
-            h, head = dec.inputs(canvas, sc_logits), dec.head
-        for i, layer in enumerate(dec.layers):
-            h = layer(h, cache[i], offset, False, compiled=self.compile)
-        return head(h)
-
-
-# ---------------------------------------------------------------------------
-# Runtime sanitize: HF checkpoints and mlx-community conversions load as they are
-# ---------------------------------------------------------------------------
-
-_UNFUSED = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
-_DROP = re.compile(r"(^lm_head\.|rotary_emb|inv_freq$|^model\.encoder\.(vision_tower|embed_vision)\.)")
-
-
-def sanitize(weights: dict) -> dict:
-    """Map any supported on-disk layout onto this module tree.
-
-    * HF names: fused experts ``experts.gate_up_proj`` / ``experts.down_proj`` get
-      ``.weight``; tied ``lm_head`` and rotary buffers are dropped.
-    * Un-fused per-expert keys (``experts.{e}.{gate,up,down}_proj.{weight,scales,biases}``)
-      are stacked and gate/up fused along the output axis.
-    * ``model.encoder.language_model.*`` keeps only ``layers.{i}.layer_scalar``.
-    * Vision tower / embed_vision tensors are dropped (text-only runtime).
-    """
-    out: dict = {}
-    unfused: dict[tuple[str, str, str], dict[int, mx.array]] = {}
-    for name, value in weights.items():
-        if _DROP.search(name):
-            continue
-        if name.startswith("model.encoder.language_model.") and not name.endswith(".layer_scalar"):
-            continue
-        m = _UNFUSED.match(name)
-        if m:
-            prefix, e, proj, suffix = m.groups()
-            unfused.setdefault((prefix, proj, suffix), {})[int(e)] = value
-            continue
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            name += ".weight"
-        out[name] = value
-    stacked: dict[tuple[str, str, str], mx.array] = {}
-    for key, parts in unfused.items():
-        stacked[key] = mx.stack([parts[e] for e in sorted(parts)])
-    for (prefix, proj, suffix), value in stacked.items():
-        if proj == "down_proj":
-            out[f"{prefix}.down_proj.{suffix}"] = value
-        elif proj == "gate_proj":
-            up = stacked.get((prefix, "up_proj", suffix))
-            if up is not None:
-                out[f"{prefix}.gate_up_proj.{suffix}"] = mx.concatenate([value, up], axis=1)
-    return out

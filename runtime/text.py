@@ -1,4 +1,5 @@
-"""Split committed token ids into answer text and reasoning (thinking channel).
+"""Detokenizing committed token ids into answer text and reasoning (the
+thinking channel), for every family (runtime/generate.py).
 
 Gemma 4 style models write reasoning as ``<|channel>NAME\\n ... <channel|>``.
 Channel markers are ordinary special tokens inside canvases, so the split is
@@ -6,7 +7,9 @@ done on ids (never by decoding with skip_special_tokens, which would also strip
 tool-call tokens). The channel name line (``thought\\n``) is dropped from the
 reasoning. Text is re-decoded from all ids of a stream on every feed and only
 the new suffix is returned, so multi-byte characters split across canvases
-come out whole.
+come out whole. A tokenizer without channel markers (LLaDA-2) has only answer
+text; a family whose special tokens carry no text decodes with
+``skip_special_tokens``.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ class _Stream:
 class ChannelParser:
     """feed(ids) -> (text_delta, reasoning_delta); flush() returns what was held back."""
 
-    def __init__(self, tokenizer, prompt_ids: Optional[list[int]] = None):
+    def __init__(self, tokenizer, prompt_ids: Optional[list[int]] = None, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.open_id = _token_id(tokenizer, OPEN)
         self.close_id = _token_id(tokenizer, CLOSE)
         self.answer: list[int] = []
@@ -67,7 +71,7 @@ class ChannelParser:
         self._text, self._reasoning = _Stream(), _Stream()
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def _reasoning_text(self, final: bool) -> str:
         parts = []

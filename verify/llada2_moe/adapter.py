@@ -1,15 +1,15 @@
 """LLaDA-2 (``llada2_moe``) verify adapter: dlm's independent PyTorch
-reference (``dlm.verify.llada2_torch``, written from llada2_moe.md) and the
+reference (``dlm.verify.llada2_moe.torch_model``, written from llada2_moe.md) and the
 matching MLX calls, following ``dlm.verify.protocol``.
 
 With ``trust_remote_code`` and a checkpoint that ships its modeling code
 (``auto_map`` + ``modeling_*.py``), that code's forward pass is the reference
-instead (``dlm.verify.llada2_remote``); the generation algorithm around it is
-the reference ``generate`` of llada2_torch either way (the hub 2.0
+instead (``dlm.verify.llada2_moe.remote``); the generation algorithm around it is
+the reference ``generate`` of torch_model either way (the hub 2.0
 ``generate`` cannot run greedily: it samples at temperature 0).
 
 Commit streams: per prompt, a greedy run and a seeded sampled run whose draws
-come from the shared uniform stream (``dlm.runtime.llada2_generate.UniformStream``),
+come from the shared uniform stream (``dlm.runtime.models.llada2_moe.sampling.UniformStream``),
 so both frameworks draw the same samples; their blocks are concatenated.
 torch is imported lazily (bundle comparisons run without it).
 """
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from dlm.runtime.errors import ConfigError, DlmError, WeightError
-from dlm.runtime.loader import read_json
+from dlm.runtime.checkpoint import read_json
 
-from .protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
+from ..protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
 
 BLOCK_LENGTH = 32
 SEEDED_RUN = {"name": "seeded", "temperature": 0.8, "top_p": 0.95, "seed": 1234}
@@ -63,7 +63,7 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
     """The PyTorch reference on CPU (see dlm.verify.protocol)."""
     import torch
 
-    from . import llada2_torch as R
+    from . import torch_model as R
 
     path = Path(path)
     ref_dtype = torch_dtype(dtype)
@@ -74,7 +74,7 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
     generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
     notes: list[str] = []
     if weights is None and trust_remote_code and ships_modeling_code(path, config):
-        from .llada2_remote import load_remote
+        from .remote import load_remote
 
         model = load_remote(path, ref_dtype, config)
         notes.append("forward pass: the checkpoint's own modeling code (--trust-remote-code)")
@@ -170,7 +170,7 @@ def logit_cases(config: dict, prompts: list[list[int]], generation_config: dict)
 def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
     import torch
 
-    from .llada2_torch import block_causal_mask
+    from .torch_model import block_causal_mask
 
     ids = torch.from_numpy(np.asarray(case.arrays["window"], np.int64))[None]
     with torch.no_grad():
@@ -255,9 +255,9 @@ def _blocks_of(prompt_len: int, tokens: list[int], settings: dict, traced: list[
 def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dict) -> CommitStream:
     import torch
 
-    from dlm.runtime.llada2_generate import UniformStream
+    from dlm.runtime.models.llada2_moe.sampling import UniformStream
 
-    from .llada2_torch import generate
+    from .torch_model import generate
 
     stream = CommitStream(prompt_ids=list(prompt_ids), blocks=[])
     finish = []

@@ -78,14 +78,3 @@ def canvas_length(remaining: int, min_length: int, max_length: int, full: bool) 
     if full:
         return max_length
     return min(max_length, max(remaining, min_length))
-
-
-def trim_commit(tokens: list[int], remaining: int, eos_ids) -> tuple[list[int], bool]:
-    """Cut a committed canvas to the output budget and at the first EOS (excluded).
-    Returns (tokens to emit, whether an EOS ended the output)."""
-    eos = set(eos_ids)
-    tokens = tokens[:remaining]
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:i], True
-    return tokens, False

@@ -1,23 +1,15 @@
-"""DiffusionGemma (``diffusion_gemma`` / ``diffusion_gemma_text``) for MLX.
-
-This file is the whole family on the MLX side: the config (both on-disk forms),
-the HF->MLX weight plan used by dlm-convert, the quantization classes used by
-the recipes in ``dlm.quantize``, and the MLX modules used by the runtime.
+"""DiffusionGemma config: ``ModelArgs`` from both on-disk forms
+(``diffusion_gemma`` with a nested ``text_config``, ``diffusion_gemma_text``
+flat), and the config.json dlm-convert writes.
 Reference: ../shared/reference/diffusion_gemma.md (transformers 5.24).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, WeightError
-from ..weights import TensorPlan
-
-# ---------------------------------------------------------------------------
-# Config
-# ---------------------------------------------------------------------------
+from ...errors import ConfigError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -164,109 +156,6 @@ class ModelArgs:
         return args
 
 
-# ---------------------------------------------------------------------------
-# HF -> MLX weight plan (dlm-convert) and quantization classes (dlm.quantize)
-# ---------------------------------------------------------------------------
-
-_DEC = "model.decoder."
-_ENC_TEXT = "model.encoder.language_model."
-_VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
-_CLIPPED = re.compile(r"\.(input|output)_(max|min)$")
-_HIGH = re.compile(r"\.(self_attn\.\w+|mlp\.(gate|up|down))_proj$")
-_LOW = re.compile(r"\.(experts\.(gate_up|down)|self_conditioning\.(gate|up|down))_proj$")
-
-
-def expected_text_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every text tensor of an HF checkpoint with its shape (HF names)."""
-    H, I, E, M = args.hidden_size, args.intermediate_size, args.num_experts, args.moe_intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        _DEC + "embed_tokens.weight": (args.vocab_size, H),
-        _DEC + "norm.weight": (H,),
-        _DEC + "self_conditioning.pre_norm.weight": (H,),
-        _DEC + "self_conditioning.gate_proj.weight": (I, H),
-        _DEC + "self_conditioning.up_proj.weight": (I, H),
-        _DEC + "self_conditioning.down_proj.weight": (H, I),
-    }
-    norms = (
-        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-        "post_feedforward_layernorm", "pre_feedforward_layernorm_2",
-        "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
-    )
-    nh = args.num_attention_heads
-    for i in range(args.num_hidden_layers):
-        p = f"{_DEC}layers.{i}."
-        d, kv = args.layer_head_dims[i], args.layer_kv_heads[i]
-        for n in norms:
-            shapes[p + n + ".weight"] = (H,)
-        shapes[p + "layer_scalar"] = (1,)
-        shapes[p + "mlp.gate_proj.weight"] = (I, H)
-        shapes[p + "mlp.up_proj.weight"] = (I, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, I)
-        shapes[p + "router.proj.weight"] = (E, H)
-        shapes[p + "router.scale"] = (H,)
-        shapes[p + "router.per_expert_scale"] = (E,)
-        shapes[p + "experts.gate_up_proj"] = (E, 2 * M, H)
-        shapes[p + "experts.down_proj"] = (E, H, M)
-        shapes[p + "self_attn.q_proj.weight"] = (nh * d, H)
-        shapes[p + "self_attn.k_proj.weight"] = (kv * d, H)
-        if args.layer_types[i] == SLIDING:
-            shapes[p + "self_attn.v_proj.weight"] = (kv * d, H)
-        shapes[p + "self_attn.o_proj.weight"] = (H, nh * d)
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[f"{_ENC_TEXT}layers.{i}.layer_scalar"] = (1,)
-    return shapes
-
-
-def mlx_name(hf_name: str) -> str:
-    """HF tensor name -> MLX name (mlx-community layout: fused experts get .weight)."""
-    if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-        return hf_name + ".weight"
-    return hf_name
-
-
-def plan_weights(
-    args: ModelArgs, source: dict[str, tuple[tuple[int, ...], str]], text_only: bool
-) -> list[TensorPlan]:
-    """Map an HF DiffusionGemma checkpoint to MLX tensors.
-
-    ``source`` maps each tensor name in the checkpoint to (shape, dtype).
-    Raises WeightError naming the first missing or mis-shaped tensor.
-    """
-    expected = expected_text_shapes(args)
-    keep_vision = not text_only and not args.text_only
-    plans: list[TensorPlan] = []
-    for name, want in expected.items():
-        if name not in source:
-            raise WeightError(f"checkpoint is missing tensor {name} (expected shape {list(want)})")
-        got = tuple(source[name][0])
-        if got != want:
-            raise WeightError(
-                f"tensor {name} has shape {list(got)} but the config implies {list(want)}"
-            )
-        plans.append(TensorPlan(mlx_name(name), (name,)))
-    for name in source:
-        if name in expected:
-            continue
-        if name.startswith(_VISION):
-            if keep_vision and not _CLIPPED.search(name):
-                plans.append(TensorPlan(name, (name,)))
-            continue
-        if (
-            name == "lm_head.weight"  # tied to embed_tokens
-            or name.startswith(_ENC_TEXT)  # tied copies of the decoder
-            or "rotary_emb" in name
-            or name.endswith("inv_freq")
-        ):
-            continue
-        raise WeightError(f"unexpected tensor {name} in a DiffusionGemma checkpoint")
-    if keep_vision and not any(p.name.startswith(_VISION[0]) for p in plans):
-        raise WeightError(
-            "config has a vision_config but the checkpoint has no model.encoder.vision_tower.* "
-            "tensors; convert with --text-only"
-        )
-    return plans
-
 
 def output_config(config: dict, text_only: bool) -> dict:
     """config.json to write next to the converted weights."""
@@ -288,27 +177,3 @@ def output_config(config: dict, text_only: bool) -> dict:
         if nested:
             out["text_config"] = text
     return out
-
-
-def quant_class(path: str) -> str | None:
-    """Which recipe class a module belongs to.
-
-    "high": kept at 8 bits by the mixed recipe (embeddings, attention, dense
-    MLP, router projection); "low": at --q-bits (routed experts,
-    self-conditioning); None: never quantized (norms, scalars, router scale,
-    per-expert scale, vision tower and embed_vision).
-    """
-    if path.startswith(_VISION):
-        return None
-    if path.endswith(("embed_tokens", "router.proj")) or _HIGH.search(path):
-        return "high"
-    if _LOW.search(path):
-        return "low"
-    return None
-
-
-# ---------------------------------------------------------------------------
-# MLX modules (runtime): see diffusion_gemma_layers.py
-# ---------------------------------------------------------------------------
-
-from .diffusion_gemma_layers import Model, PrefixCache, sanitize  # noqa: E402,F401

@@ -22,9 +22,9 @@ import numpy as np
 
 from dlm.runtime.errors import ConfigError, DlmError, WeightError
 
-from dlm.runtime.loader import read_json
+from dlm.runtime.checkpoint import read_json
 
-from .protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
+from ..protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
 
 SC_TOPK = 64  # self-conditioning inputs are stored as top-K + tail mass (bundles stay small)
 # Tiny stand-in for the vision tower when the config has none (text-only
@@ -173,7 +173,7 @@ def _load_weights(model, weights: dict, target_dtype) -> None:
 def hf_weights_from_mlx(mlx_weights, config: dict):
     """MLX names -> HF names (converter plan: fused experts gained '.weight'),
     as a lazy view: tensors are dequantized one at a time while loading."""
-    from .weights import Renamed
+    from ..weights import Renamed
 
     def rename(name: str):
         if name == "lm_head.weight":  # tied to embed_tokens

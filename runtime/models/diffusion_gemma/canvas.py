@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from . import samplers as S
+from . import sampling as S
 
 
 @dataclass

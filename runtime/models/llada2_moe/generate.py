@@ -34,9 +34,7 @@ a stop token. Stop tokens: the checkpoint's EOS ids plus ``<|role_end|>``
 
 from __future__ import annotations
 
-import os
 import re
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -44,49 +42,16 @@ from typing import Callable, Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
-from .errors import GenerationError
-from .events import GenerationEvent, GenerationStats
-from .models.llada2_moe import block_causal_mask
+from ...errors import GenerationError
+from ...events import GenerationEvent
+from ...generate import Block, run
+from ...options import resolve
+from .model import block_causal_mask
+from .options import BLOCK_LENGTH, EDITING_THRESHOLD_21, LINEAR_FLOOR, MAX_POST_STEPS, OPTIONS, REFUSED, STEPS, THRESHOLD
+from .sampling import UniformStream, reveal, sample, transfer_quota
 
-BLOCK_LENGTH = 32
-STEPS = 32
-THRESHOLD = 0.95
-LINEAR_FLOOR = 0.5  # --threshold-schedule linear without an explicit floor
-EDITING_THRESHOLD_21 = 0.9  # the LLaDA2.1 hub generate() default
-MAX_POST_STEPS = 16
 PREFILL_STEP = 2048
 ROLE_END = "<|role_end|>"
-
-# Options of other families (or of nothing dlm runs): refused by name.
-FOREIGN = {
-    "diffusion_sampler": "--diffusion-sampler",
-    "diffusion_threshold": "--diffusion-threshold",
-    "diffusion_min_canvas_length": "--diffusion-min-canvas-length",
-    "diffusion_max_canvas_length": "--diffusion-max-canvas-length",
-    "diffusion_full_canvas": "--diffusion-full-canvas",
-    "debug_canvas": "--debug-canvas",
-    "draft_model": "--draft-model",
-    "num_draft_tokens": "--num-draft-tokens",
-    "image": "--image", "images": "--image",
-    "audio": "--audio", "video": "--video",
-}
-_WHY = {
-    "draft_model": "LLaDA-2 already unmasks whole blocks; a speculative draft model is not supported",
-    "num_draft_tokens": "LLaDA-2 already unmasks whole blocks; a speculative draft model is not supported",
-    "image": "LLaDA-2 is text-only", "images": "LLaDA-2 is text-only",
-    "audio": "LLaDA-2 is text-only", "video": "LLaDA-2 is text-only",
-}
-OWN = {
-    "max_tokens", "temp", "temperature", "top_k", "top_p", "seed", "max_denoising_steps",
-    "block_length", "threshold", "threshold_schedule", "editing_threshold", "max_post_steps",
-    "reference_sampling", "prefill_step_size",
-}
-# Prompt/output options handled before generation (CLI, API, server).
-NEUTRAL = {"enable_thinking", "stop", "system", "chat_template", "profile", "json", "verbose", "stream"}
-
-
-def _unset(value) -> bool:
-    return value is None or value is False or (isinstance(value, (list, tuple, str)) and not value)
 
 
 def parse_threshold_schedule(value, threshold: float) -> Optional[float]:
@@ -133,21 +98,14 @@ class Settings:
 
     @classmethod
     def from_options(cls, options: dict, args, generation_config: dict) -> "Settings":
-        options = dict(options or {})
-        for key, value in options.items():
-            if _unset(value) or key in OWN or key in NEUTRAL:
-                continue
-            if key in FOREIGN:
-                why = _WHY.get(key, "it is a DiffusionGemma option")
-                raise GenerationError(f"{FOREIGN[key]} does not apply to LLaDA-2 models: {why}")
-            raise GenerationError(f"option {key!r} does not apply to LLaDA-2 models")
+        """Settings from options (checked against options.py) over generation_config over defaults."""
+        options = resolve(OPTIONS, options, "LLaDA-2", REFUSED)
         gc = generation_config or {}
 
-        def pick(*names, default=None):
-            for n in names:
-                if options.get(n) is not None:
-                    return options[n]
-            for n in names:
+        def pick(name, *gc_names, default=None):
+            if options.get(name) is not None:
+                return options[name]
+            for n in gc_names:
                 if gc.get(n) is not None:
                     return gc[n]
             return default
@@ -158,15 +116,15 @@ class Settings:
             mask_token_id=int(gc.get("mask_token_id", args.mask_token_id)),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             max_tokens=int(pick("max_tokens", "max_new_tokens", default=256)),
-            block_length=int(pick("block_length", default=BLOCK_LENGTH)),
+            block_length=int(pick("block_length", "block_length", default=BLOCK_LENGTH)),
             steps=int(pick("max_denoising_steps", "steps", default=STEPS)),
-            threshold=float(pick("threshold", default=THRESHOLD)),
+            threshold=float(pick("threshold", "threshold", default=THRESHOLD)),
             temperature=float(pick("temp", "temperature", default=0.0)),
             top_k=options.get("top_k"),
             top_p=options.get("top_p"),
             seed=options.get("seed"),
             reference_sampling=bool(options.get("reference_sampling") or False),
-            max_post_steps=int(pick("max_post_steps", default=MAX_POST_STEPS)),
+            max_post_steps=int(pick("max_post_steps", "max_post_steps", default=MAX_POST_STEPS)),
             prefill_step_size=int(pick("prefill_step_size", default=PREFILL_STEP)),
         )
         if options.get("editing_threshold") is not None:
@@ -176,53 +134,25 @@ class Settings:
         return s
 
     def validate(self) -> None:
+        """Values that may come from generation_config.json as well as from options."""
         def bad(msg):
-            raise GenerationError(msg)
+            raise GenerationError(f"{msg} (generation_config.json or options)")
 
         if self.max_tokens < 0:
-            bad(f"--max-tokens must be >= 0, got {self.max_tokens}")
+            bad(f"max_new_tokens must be >= 0, got {self.max_tokens}")
         if self.block_length < 1:
-            bad(f"--block-length must be >= 1, got {self.block_length}")
+            bad(f"block_length must be >= 1, got {self.block_length}")
         if self.steps < 1:
-            bad(f"--max-denoising-steps must be >= 1, got {self.steps}")
+            bad(f"steps must be >= 1, got {self.steps}")
         if not 0.0 <= self.threshold <= 1.0:
-            bad(f"--threshold must be in [0, 1], got {self.threshold}")
+            bad(f"threshold must be in [0, 1], got {self.threshold}")
         if self.temperature < 0:
-            bad(f"--temp must be >= 0, got {self.temperature}")
-        if self.top_k is not None and int(self.top_k) < 0:
-            bad(f"--top-k must be >= 0, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
-            bad(f"--top-p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.editing_threshold, float) and not 0.0 <= self.editing_threshold <= 1.0:
-            bad(f"--editing-threshold must be in [0, 1], got {self.editing_threshold}")
-        if self.prefill_step_size < 1:
-            bad(f"--prefill-step-size must be >= 1, got {self.prefill_step_size}")
-        if self.max_post_steps < 0:
-            bad(f"--max-post-steps must be >= 0, got {self.max_post_steps}")
+            bad(f"temperature must be >= 0, got {self.temperature}")
 
     def step_threshold(self, step: int, steps: int) -> float:
         if self.min_threshold is None:
             return self.threshold
         return self.threshold - (self.threshold - self.min_threshold) * step / max(1, steps - 1)
-
-
-def transfer_quota(block_length: int, steps: int) -> list[int]:
-    """What each step must reveal at least: bl // steps, remainder to the first steps."""
-    base, extra = divmod(block_length, steps)
-    return [base + (1 if s < extra else 0) for s in range(steps)]
-
-
-class UniformStream:
-    """The shared sampling randomness: uniforms in [0, 1) from numpy's PCG64.
-    The PyTorch reference draws from the same stream, so both sample alike."""
-
-    def __init__(self, seed: Optional[int]):
-        if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little")
-        self.rng = np.random.default_rng(seed)
-
-    def __call__(self, n: int) -> np.ndarray:
-        return self.rng.random(n, dtype=np.float64).astype(np.float32)
 
 
 def is_llada21(loaded) -> bool:
@@ -245,80 +175,8 @@ def is_llada21(loaded) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Per-step rules (MLX, no host syncs)
-# ---------------------------------------------------------------------------
-
-
-def filter_logits(logits, top_k=None, top_p=None):
-    """Hub top-k (ties kept) and top-p (drop tokens whose exclusive cumulative mass > p)."""
-    if top_k:
-        k = min(int(top_k), logits.shape[-1])
-        kth = mx.topk(logits, k, axis=-1).min(axis=-1, keepdims=True)
-        logits = mx.where(logits < kth, -mx.inf, logits)
-    if top_p is not None and top_p < 1:
-        order = mx.argsort(-logits, axis=-1)
-        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
-        probs = mx.softmax(sorted_logits, axis=-1)
-        drop = (mx.cumsum(probs, axis=-1) - probs) > top_p
-        drop = mx.concatenate([mx.zeros_like(drop[..., :1]), drop[..., 1:]], axis=-1)
-        drop = mx.take_along_axis(drop, mx.argsort(order, axis=-1), axis=-1)
-        logits = mx.where(drop, -mx.inf, logits)
-    return logits
-
-
-def sample(logits, s: Settings, uniforms: Optional[np.ndarray]):
-    """(tokens, confidence of each chosen token) for [n, V] float32 logits."""
-    if s.temperature == 0 and not s.reference_sampling:
-        tok = mx.argmax(logits, axis=-1)
-        conf = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
-        return tok, conf
-    if s.temperature > 0 and s.temperature != 1:
-        logits = logits / s.temperature
-    probs = mx.softmax(filter_logits(logits, s.top_k, s.top_p), axis=-1)
-    cdf = mx.cumsum(probs, axis=-1)
-    target = mx.array(uniforms)[:, None] * cdf[:, -1:]
-    tok = mx.minimum((cdf <= target).sum(axis=-1), probs.shape[-1] - 1)
-    return tok, mx.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
-
-
-def reveal(active, conf, threshold: float, quota: int):
-    """Every active position above the threshold if there are at least
-    ``quota`` of them, else the ``quota`` most confident active positions."""
-    conf = mx.where(active, conf, -mx.inf)
-    high = conf > threshold
-    # Rank = positions ahead in (confidence desc, position asc): exact ties go
-    # to the lowest position, as in the reference.
-    n = conf.shape[-1]
-    ahead = (conf[None, :] > conf[:, None]) | (
-        (conf[None, :] == conf[:, None]) & (mx.arange(n)[None, :] < mx.arange(n)[:, None])
-    )
-    top = (ahead.sum(-1) < quota) & active
-    return mx.where(high.sum() >= quota, high, top)
-
-
-# ---------------------------------------------------------------------------
 # The block loop
 # ---------------------------------------------------------------------------
-
-
-class _Detokenizer:
-    """Text deltas of a growing token list (holds back a trailing partial character)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = 0
-
-    def add(self, ids: list[int], final: bool = False) -> str:
-        if self.tokenizer is None:
-            return ""
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):
-            text = text[:-1]
-        delta = text[self.emitted:]
-        self.emitted = len(text)
-        return delta
 
 
 def stop_ids(loaded, s: Settings) -> set[int]:
@@ -353,13 +211,20 @@ def stream_generate(
         raise GenerationError(f"unknown LLaDA-2 generation hook(s): {', '.join(unknown)}")
     if hooks:
         settings = replace(settings, **hooks)
-    loop = _BlockLoop(loaded, list(prompt_ids), settings, cancel)
+    session = BlockSession(loaded, list(prompt_ids), settings, cancel)
     if stop_ids is not None:
-        loop.set_stops(stop_ids)
-    return loop.run()
+        session.set_stops(stop_ids)
+    return run(session, loaded, session.prompt, cancel)
 
 
-class _BlockLoop:
+class BlockSession:
+    """LLaDA-2's step for the shared loop (dlm.runtime.generate): the prompt's
+    full blocks into the cache, then one block per ``next_block``, denoised
+    (2.0) or drafted and edited (2.1)."""
+
+    block_name = "block"
+    skip_special_tokens = True
+
     def __init__(self, loaded, prompt_ids, s: Settings, cancel):
         self.model, self.s, self.cancel = loaded.model, s, cancel
         self.prompt = prompt_ids
@@ -381,11 +246,10 @@ class _BlockLoop:
         if s.suppress_mask:
             self.logit_bias = mx.where(mx.arange(vocab) == s.mask_token_id, -mx.inf, 0.0)
         self.set_stops(stop_ids(loaded, s))
-        self.detok = _Detokenizer(getattr(loaded, "tokenizer", None))
-        self.stats = GenerationStats(prompt_tokens=self.P, block_name="block")
+        self.budget = s.max_tokens
 
     def set_stops(self, ids) -> None:
-        self.stops = {int(i) for i in ids}
+        self.stops = self.stop_ids = frozenset(int(i) for i in ids)
         self.stop_arr = mx.array(sorted(self.stops), dtype=mx.int32) if self.stops else None
 
     # -- model calls -------------------------------------------------------
@@ -419,7 +283,6 @@ class _BlockLoop:
                 for c in self.cache:
                     c.commit(bl)
                 self.pending = None
-        self.stats.forwards += 1
         return logits[0]
 
     def _step(self, b: int, s: int, start: int, block):
@@ -437,67 +300,43 @@ class _BlockLoop:
             w = np.nonzero(np.array(write))[0]
             self.s.trace.append((b, s, [int(start + i) for i in w], np.array(tok)[w].tolist()))
 
-    # -- loop --------------------------------------------------------------
+    # -- the session -------------------------------------------------------
 
-    def run(self) -> Iterator[GenerationEvent]:
+    def prefill(self) -> None:
         s, bl, P = self.s, self.bl, self.P
-        t0 = time.perf_counter()
-        limit = P + s.max_tokens
-        if s.max_tokens == 0:
-            yield self._final("length", t0, t0)
-            return
-        nb = -(-limit // bl)
-        first = P // bl
-        self.cache = self.model.make_cache(nb * bl) if s.kv_cache else None
+        self.limit = P + s.max_tokens
+        self.n_blocks = -(-self.limit // bl)
+        self.next_index = P // bl  # the first block holding generated positions
+        self.cache = self.model.make_cache(self.n_blocks * bl) if s.kv_cache else None
         self.pending = None
-        x = np.full(nb * bl, s.mask_token_id, dtype=np.int32)
-        x[:P] = self.prompt
-        self.committed = mx.array(x[: first * bl])
-        self._prefill(first * bl)
-        t1 = time.perf_counter()
-        self.stats.prompt_seconds = t1 - t0
-        pos = mx.arange(bl)
-        emitted, finish = 0, "length"
-        for b in range(first, nb):
-            start = b * bl
-            gen_from = max(P - start, 0)  # first generated position in the block
-            need = min(limit - start, bl)  # positions that reach the output
-            block = mx.array(x[start : start + bl])
-            # The hub denoises the whole block, including positions past the
-            # budget (they influence the rest); only the stop test uses ``need``.
-            in_gen = pos >= gen_from
-            if self.editing is None:
-                block, steps, cancelled = self._denoise(b, start, block, in_gen, need)
-            else:
-                block, steps, cancelled = self._edit(b, start, block, gen_from)
-            self.stats.steps_per_block.append(steps)
-            if cancelled:
-                finish = "cancelled"
-                break
-            if steps < self.steps:
-                self.stats.early_stops += 1
-            out = np.array(block)
-            x[start : start + bl] = out
-            if self.cache is not None:
-                self.pending = block
-            else:
-                self.committed = mx.array(x[: start + bl])
-            new = out[gen_from:need].tolist()
-            stop_at = next((i for i, t in enumerate(new) if t in self.stops), None)
-            if stop_at is not None:
-                new, finish = new[:stop_at], "stop"
-            emitted += len(new)
-            self.stats.completion_tokens = emitted
-            text = self.detok.add(new, final=finish == "stop" or b == nb - 1)
-            yield GenerationEvent(token_ids=new, text=text)
-            if finish == "stop":
-                break
-        yield self._final(finish, t0, t1)
+        self.x = np.full(self.n_blocks * bl, s.mask_token_id, dtype=np.int32)
+        self.x[:P] = self.prompt
+        self.committed = mx.array(self.x[: self.next_index * bl])
+        self._prefill(self.next_index * bl)
 
-    def _final(self, finish: str, t0: float, t1: float) -> GenerationEvent:
-        self.stats.generation_seconds = time.perf_counter() - t1
-        self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        return GenerationEvent(finish_reason=finish, stats=self.stats)
+    def next_block(self, remaining: int) -> Block:
+        b, bl = self.next_index, self.bl
+        self.next_index += 1
+        start = b * bl
+        gen_from = max(self.P - start, 0)  # first generated position in the block
+        need = min(self.limit - start, bl)  # positions that reach the output
+        block = mx.array(self.x[start : start + bl])
+        # The hub denoises the whole block, including positions past the
+        # budget (they influence the rest); only the stop test uses ``need``.
+        if self.editing is None:
+            in_gen = mx.arange(bl) >= gen_from
+            block, steps, cancelled = self._denoise(b, start, block, in_gen, need)
+        else:
+            block, steps, cancelled = self._edit(b, start, block, gen_from)
+        if cancelled:
+            return Block(steps=steps, cancelled=True)
+        out = np.array(block)
+        self.x[start : start + bl] = out
+        if self.cache is not None:
+            self.pending = block
+        else:
+            self.committed = mx.array(self.x[: start + bl])
+        return Block(out[gen_from:need].tolist(), steps, steps < self.steps)
 
     def _denoise(self, b: int, start: int, block, in_gen, need: int):
         """LLaDA2.0: up to ``steps`` steps, each revealing >= its quota."""

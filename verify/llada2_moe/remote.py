@@ -18,7 +18,7 @@ behaviour without touching the numerics:
   the model dtype.
 
 Only the forward pass comes from the checkpoint; dlm-verify runs its own
-``generate`` (llada2_torch) around it, since the 2.0 hub ``generate`` samples
+``generate`` (torch_model) around it, since the 2.0 hub ``generate`` samples
 even at temperature 0.
 """
 
@@ -117,7 +117,7 @@ def _fix_rotary(model, config: dict) -> None:
 
 
 class RemoteModel:
-    """The hub model behind llada2_torch's calling convention:
+    """The hub model behind torch_model's calling convention:
     ``model(ids, mask=None | 4-D additive, position_ids=None) -> float32 logits``."""
 
     def __init__(self, model):

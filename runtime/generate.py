@@ -1,0 +1,98 @@
+"""The one outer generation loop every family shares.
+
+A family supplies a *session* (its prefill and its per-canvas / per-block step,
+with the model call inside); this loop owns everything around it: prefill
+timing, the token budget, trimming at the budget and at the first stop token,
+cancellation, detokenizing and the thinking channel, the stats, and the final
+event with peak memory. The CLI, the API, the server and the parity suite all
+consume the events it yields.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Protocol
+
+import mlx.core as mx
+
+from .events import GenerationEvent, GenerationStats
+from .text import ChannelParser
+
+
+@dataclass
+class Block:
+    """What a session commits for one canvas or block."""
+
+    tokens: list[int] = field(default_factory=list)  # the positions that reach the output, in order
+    steps: int = 0  # forwards spent on it
+    stopped_early: bool = False  # before its step budget
+    cancelled: bool = False
+
+
+class Session(Protocol):
+    block_name: str  # "canvas" | "block": what stats.steps_per_block counts
+    budget: int  # most tokens this run may emit
+    stop_ids: frozenset[int]  # a token that ends the output (not emitted)
+    skip_special_tokens: bool  # detokenize without special tokens
+
+    def prefill(self) -> None: ...
+
+    def next_block(self, remaining: int) -> Block: ...
+
+
+def trim(tokens: list[int], remaining: int, stop_ids) -> tuple[list[int], bool]:
+    """Cut a committed block to the output budget and at the first stop token
+    (excluded). Returns (tokens to emit, whether a stop token ended the output)."""
+    tokens = tokens[:remaining]
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[:i], True
+    return tokens, False
+
+
+class _NoText:
+    def feed(self, ids):
+        return "", ""
+
+    def flush(self):
+        return "", ""
+
+
+def run(session: Session, loaded, prompt_ids: list[int],
+        cancel: Optional[Callable[[], bool]] = None) -> Iterator[GenerationEvent]:
+    """Events: one per committed canvas/block (its tokens and text deltas, in
+    sequence order), then the final one with finish_reason ("stop" | "length" |
+    "cancelled") and stats. The session polls ``cancel`` once per step."""
+    tokenizer = getattr(loaded, "tokenizer", None)
+    text = (ChannelParser(tokenizer, prompt_ids, session.skip_special_tokens)
+            if tokenizer is not None else _NoText())
+    stats = GenerationStats(prompt_tokens=len(prompt_ids), block_name=session.block_name)
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    session.prefill()
+    stats.prompt_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    produced, finish = 0, "length"
+    while produced < session.budget:
+        block = session.next_block(session.budget - produced)
+        stats.forwards += block.steps
+        if block.cancelled:
+            finish = "cancelled"
+            break
+        stats.steps_per_block.append(block.steps)
+        stats.early_stops += int(block.stopped_early)
+        tokens, stopped = trim(block.tokens, session.budget - produced, session.stop_ids)
+        produced += len(tokens)
+        stats.completion_tokens = produced
+        answer, reasoning = text.feed(tokens)
+        yield GenerationEvent(token_ids=tokens, text=answer, reasoning=reasoning)
+        if stopped:
+            finish = "stop"
+            break
+    stats.completion_tokens = produced
+    stats.generation_seconds = time.perf_counter() - start
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    answer, reasoning = text.flush()
+    yield GenerationEvent(text=answer, reasoning=reasoning, finish_reason=finish, stats=stats)

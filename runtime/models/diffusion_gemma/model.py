@@ -1,0 +1,189 @@
+"""The DiffusionGemma MLX model: encoder (causal prefill into a prefix cache)
+and decoder (bidirectional canvas denoiser reading that cache, with
+self-conditioning). Parameter names equal the converted tensor names, so a
+converted directory loads with ``Model.load_weights`` as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .config import SLIDING, ModelArgs
+from .layers import DecoderLayer, PrefixCache, RMSNorm, SelfConditioning
+
+def _is_quantized(module: nn.Module) -> bool:
+    return "scales" in module
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(args)
+        self.hidden = args.hidden_size
+        self.softcap = args.final_logit_softcapping
+        self._compiled = None
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Activation dtype: the embedding's float dtype (the norm's when the
+        embedding scales are not a float type, e.g. mxfp4)."""
+        e = self.embed_tokens
+        if not _is_quantized(e):
+            return e["weight"].dtype
+        if mx.issubdtype(e["scales"].dtype, mx.floating):
+            return e["scales"].dtype
+        return self.norm["weight"].dtype
+
+    def _scale(self, dtype) -> mx.array:
+        # sqrt(H) as float32, then cast to the weight dtype (bf16: 53.0, pitfall 15).
+        return mx.array(np.float32(math.sqrt(self.hidden))).astype(dtype)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        dtype = self.dtype
+        return self.embed_tokens(ids).astype(dtype) * self._scale(dtype)
+
+    def soft_embed(self, sc_logits: mx.array) -> mx.array:
+        """softmax_f32(sc_logits) cast to the embedding dtype, @ W_E, * sqrt(H)."""
+        dtype = self.dtype
+        p = mx.softmax(sc_logits.astype(mx.float32), axis=-1).astype(dtype)
+        e = self.embed_tokens
+        if _is_quantized(e):
+            s = mx.quantized_matmul(
+                p, e["weight"], e["scales"], e.get("biases"), transpose=False,
+                group_size=e.group_size, bits=e.bits, mode=e.mode,
+            )
+        else:
+            s = p @ e["weight"]
+        return s.astype(dtype) * self._scale(dtype)
+
+    def inputs(self, canvas: mx.array, sc_logits: Optional[mx.array] = None) -> mx.array:
+        """Decoder input: self-conditioning block over the scaled canvas embeddings."""
+        soft = None if sc_logits is None else self.soft_embed(sc_logits)
+        return self.self_conditioning(self.embed(canvas), soft)
+
+    def head(self, h: mx.array) -> mx.array:
+        """Tied-embedding logits in the model dtype, then float32 softcap."""
+        out = self.embed_tokens.as_linear(self.norm(h)).astype(mx.float32)
+        return mx.tanh(out / self.softcap) * self.softcap
+
+    def compiled(self):
+        if self._compiled is None:  # implicit inputs: only what these two read (not the layers)
+            state = [self.embed_tokens.state, self.norm.state, self.self_conditioning.state]
+            fns = (mx.compile(self.inputs, inputs=state), mx.compile(self.head, inputs=state))
+            object.__setattr__(self, "_compiled", fns)
+        return self._compiled
+
+
+class EncoderLayerScalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer_scalar = mx.ones((1,))
+
+
+class EncoderTextModel(nn.Module):
+    """The encoder shares every text weight with the decoder except layer_scalar."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.layers = [EncoderLayerScalar() for _ in range(args.num_hidden_layers)]
+
+
+class EncoderModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.language_model = EncoderTextModel(args)
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.decoder = DecoderModel(args)
+        self.encoder = EncoderModel(args)
+
+
+class Model(nn.Module):
+    """DiffusionGemma text model (batch size 1 in the generation loop; B > 1 works here).
+
+    Methods used by the generation loop and the parity suite:
+
+    * ``make_cache() -> list[PrefixCache]``: one empty prefix cache per layer.
+    * ``encode(ids, cache, offset=None) -> None``: causal encoder pass of ``ids``
+      ([B, S] or [S] int) at positions ``offset..offset+S-1`` (default: the cache's
+      offset), appending post-norm post-RoPE K and normed V to ``cache``. Used for the
+      prompt and for re-encoding each committed canvas at its own positions. Lazy.
+    * ``prefill(ids, cache, chunk_size=2048) -> None``: ``encode`` in chunks, each evaluated.
+    * ``decode(canvas, cache, sc_logits=None, offset=None) -> mx.array``: one denoiser
+      pass over ``canvas`` ([B, L] or [L]) at positions ``offset..offset+L-1`` reading
+      ``cache`` read-only; ``sc_logits`` ([B, L, V], the previous step's processed
+      logits, or None on the first step of a canvas) drives self-conditioning.
+      Returns float32 softcapped logits [B, L, V].
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        # Fuse each decoder layer's fixed-shape parts with mx.compile (DLM_COMPILE=0: off).
+        self.compile = os.environ.get("DLM_COMPILE", "1") != "0"
+
+    @property
+    def layers(self):
+        return self.model.decoder.layers
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.model.decoder.dtype
+
+    def make_cache(self) -> list[PrefixCache]:
+        keep = self.args.sliding_window - 1
+        return [PrefixCache(keep if t == SLIDING else None) for t in self.args.layer_types]
+
+    @staticmethod
+    def _ids(ids) -> mx.array:
+        ids = ids if isinstance(ids, mx.array) else mx.array(ids)
+        ids = ids.astype(mx.int32) if ids.dtype != mx.int32 else ids
+        return ids[None] if ids.ndim == 1 else ids
+
+    def encode(self, ids, cache: list[PrefixCache], offset: Optional[int] = None) -> None:
+        ids = self._ids(ids)
+        offset = cache[0].offset if offset is None else offset
+        dec = self.model.decoder
+        scalars = self.model.encoder.language_model.layers
+        h = dec.embed(ids)
+        last = len(dec.layers) - 1
+        for i, layer in enumerate(dec.layers):
+            h = layer(h, cache[i], offset, True, scalars[i]["layer_scalar"], attention_only=i == last)
+
+    def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = 2048) -> None:
+        ids = self._ids(ids)
+        for start in range(0, ids.shape[1], chunk_size):
+            self.encode(ids[:, start : start + chunk_size], cache)
+            mx.eval([c.state for c in cache])
+
+    def decode(
+        self, canvas, cache: list[PrefixCache], sc_logits: Optional[mx.array] = None,
+        offset: Optional[int] = None,
+    ) -> mx.array:
+        canvas = self._ids(canvas)
+        offset = cache[0].offset if offset is None else offset
+        dec = self.model.decoder
+        if sc_logits is not None and sc_logits.ndim == 2:
+            sc_logits = sc_logits[None]
+        if self.compile:
+            inputs, head = dec.compiled()
+            h = inputs(canvas) if sc_logits is None else inputs(canvas, sc_logits)
+            offset = mx.array(offset, dtype=mx.int32)
+        else:
+            h, head = dec.inputs(canvas, sc_logits), dec.head
+        for i, layer in enumerate(dec.layers):
+            h = layer(h, cache[i], offset, False, compiled=self.compile)
+        return head(h)

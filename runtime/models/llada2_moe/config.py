@@ -1,0 +1,147 @@
+"""LLaDA2.0 / 2.1 MoE (``llada2_moe``) config: ``ModelArgs`` from the hub
+config.json, and the config dlm-convert writes.
+Reference: ../shared/reference/llada2_moe.md (§1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import ConfigError
+
+DEFAULT_EOS_ID = 156892  # <|endoftext|>; 2.0 configs carry no eos_token_id
+DEFAULT_MASK_ID = 156895
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    n_group: int = 8
+    topk_group: int = 4
+    routed_scaling_factor: float = 2.5
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.5
+    rms_norm_eps: float = 1e-5
+    use_qk_norm: bool = True
+    use_qkv_bias: bool = False
+    use_bias: bool = True
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 16384
+    pad_token_id: int = DEFAULT_EOS_ID
+    eos_token_ids: list[int] = field(default_factory=lambda: [DEFAULT_EOS_ID])
+    mask_token_id: int = DEFAULT_MASK_ID
+    model_type: str = "llada2_moe"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
+
+    @classmethod
+    def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
+        if config.get("model_type") != "llada2_moe":
+            raise ConfigError(f"{where}: model_type {config.get('model_type')!r} is not llada2_moe")
+        cfg = dict(config)
+        if isinstance(cfg.get("text_config"), dict):  # mlx-vlm writes a nested text config
+            cfg.update({k: v for k, v in cfg["text_config"].items() if k not in cfg})
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ConfigError(f"{where}: llada2_moe config is missing required key {key!r}")
+            return cfg[key]
+
+        def ints(key: str, default: int) -> int:
+            value = cfg.get(key)
+            return default if value is None else int(value)
+
+        heads = int(need("num_attention_heads"))
+        kv_heads = cfg.get("num_key_value_heads")
+        if not kv_heads or int(kv_heads) <= 0:
+            # The hub class default is 0, which divides by zero: say so instead.
+            raise ConfigError(
+                f"{where}: num_key_value_heads must be a positive integer (got {kv_heads!r})"
+            )
+        hidden = int(need("hidden_size"))
+        first_dense = ints("first_k_dense_replace", 0)
+        n_layers = int(need("num_hidden_layers"))
+        eos = cfg.get("eos_token_id")
+        if eos is None:
+            eos = cfg.get("pad_token_id", DEFAULT_EOS_ID)
+        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        args = cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=ints("head_dim", hidden // heads),
+            intermediate_size=int(need("intermediate_size")) if first_dense else ints("intermediate_size", 0),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_experts=int(need("num_experts")),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            num_shared_experts=ints("num_shared_experts", 0),
+            first_k_dense_replace=first_dense,
+            n_group=ints("n_group", 8),
+            topk_group=ints("topk_group", 4),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 0.5)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            use_qk_norm=bool(cfg.get("use_qk_norm", True)),
+            use_qkv_bias=bool(cfg.get("use_qkv_bias", False)),
+            use_bias=bool(cfg.get("use_bias", True)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=ints("max_position_embeddings", 16384),
+            pad_token_id=ints("pad_token_id", DEFAULT_EOS_ID),
+            eos_token_ids=eos_ids,
+            mask_token_id=ints("mask_token_id", DEFAULT_MASK_ID),
+        )
+        args._validate(where, cfg)
+        return args
+
+    def _validate(self, where: str, cfg: dict) -> None:
+        def bad(msg: str):
+            raise ConfigError(f"{where}: {msg}")
+
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts % self.n_group:
+            bad(f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            bad(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+            bad(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
+                f"{self.topk_group} selected groups")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            bad(f"partial_rotary_factor={self.partial_rotary_factor} gives an invalid rotary "
+                f"dimension {self.rotary_dim} for head_dim={self.head_dim}")
+        scaling = cfg.get("rope_scaling") or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if kind != "default":
+            bad(f"rope_scaling type {kind!r} is not supported (LLaDA-2 uses default RoPE)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            bad(f"hidden_act {cfg.get('hidden_act')!r} is not supported (expected 'silu')")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            bad(f"first_k_dense_replace={self.first_k_dense_replace} is out of range")
+
+
+
+def output_config(config: dict, text_only: bool = True) -> dict:
+    """config.json next to the converted weights: the hub config, minus the
+    remote-code hooks (the converted folder ships no modeling code)."""
+    return {k: v for k, v in config.items() if k not in ("auto_map", "_name_or_path")}

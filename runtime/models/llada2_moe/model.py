@@ -1,0 +1,256 @@
+"""The LLaDA-2 MLX model (llada2_moe.md §3): fused QKV with QK-norm before
+partial RoPE, a sigmoid group-limited router with ``expert_bias``, routed and
+shared experts, dense first layers, and the committed-prefix KV cache of the
+block loop.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..switch import SwitchLinear
+from .config import ModelArgs
+from .weights import sanitize
+
+
+class SwitchGLU(nn.Module):
+    """Routed experts: ``down(silu(gate(x)) * up(x))`` for each (token, slot)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int):
+        super().__init__()
+        self.gate_proj = SwitchLinear(hidden, inter, num_experts)
+        self.up_proj = SwitchLinear(hidden, inter, num_experts)
+        self.down_proj = SwitchLinear(inter, hidden, num_experts)
+
+    def __call__(self, x, indices):
+        """x [T, H], indices [T, k] -> [T, k, H]."""
+        T, k = indices.shape
+        if T * k >= 64:
+            # Sort (token, slot) pairs by expert so each expert's rows are contiguous.
+            flat = indices.reshape(-1)
+            order = mx.argsort(flat)
+            inverse = mx.argsort(order)
+            xs = x[order // k][:, None, :]
+            idx = flat[order]
+            h = nn.silu(self.gate_proj(xs, idx, True)) * self.up_proj(xs, idx, True)
+            y = self.down_proj(h, idx, True)[:, 0, :]
+            return y[inverse].reshape(T, k, -1)
+        xs = x[:, None, None, :]
+        h = nn.silu(self.gate_proj(xs, indices)) * self.up_proj(xs, indices)
+        return self.down_proj(h, indices)[:, :, 0, :]
+
+
+class CommittedKVCache:
+    """Per-layer KV cache holding only committed positions.
+
+    ``update_and_fetch`` writes the window's keys after the committed prefix and
+    returns prefix ⊕ window; ``commit(n)`` then keeps the first n window
+    positions. Uncommitted positions are overwritten by the next window, so the
+    active block is recomputed every step while the prefix is computed once.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.offset = 0
+        self.keys = None
+        self.values = None
+        self._window = 0
+
+    def update_and_fetch(self, k, v):
+        B, H, L, D = k.shape
+        end = self.offset + L
+        if end > self.capacity:
+            raise ValueError(f"KV cache capacity {self.capacity} exceeded ({end})")
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, self.capacity, D), dtype=k.dtype)
+            self.values = mx.zeros((B, H, self.capacity, v.shape[-1]), dtype=v.dtype)
+        self.keys[..., self.offset : end, :] = k
+        self.values[..., self.offset : end, :] = v
+        self._window = L
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def commit(self, n: int) -> None:
+        if n > self._window:
+            raise ValueError(f"cannot commit {n} of a {self._window}-position window")
+        self.offset += n
+        self._window = 0
+
+
+class RMSNorm(nn.Module):
+    """Normalise in float32, cast back, then multiply the weight in the model dtype."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x):
+        return self.weight * mx.fast.rms_norm(x, None, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hq, self.hkv, self.d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.query_key_value = nn.Linear(
+            args.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=args.use_qkv_bias
+        )
+        self.dense = nn.Linear(self.hq * self.d, args.hidden_size, bias=args.use_bias)
+        self.use_qk_norm = args.use_qk_norm
+        if args.use_qk_norm:
+            self.query_layernorm = RMSNorm(self.d, args.rms_norm_eps)
+            self.key_layernorm = RMSNorm(self.d, args.rms_norm_eps)
+        self.rotary_dim, self.theta = args.rotary_dim, args.rope_theta
+        self.scale = self.d ** -0.5
+
+    def __call__(self, x, offset: int, mask, cache: Optional[CommittedKVCache]):
+        B, L, _ = x.shape
+        qkv = self.query_key_value(x).reshape(B, L, self.hq + 2 * self.hkv, self.d)
+        q, k, v = mx.split(qkv, [self.hq, self.hq + self.hkv], axis=2)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        if self.use_qk_norm:  # before RoPE
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.dense(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """Sigmoid router, expert_bias for selection only, group-limited top-k (§3.6).
+    Raw arrays, not a Linear: the router is never quantized."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.weight = mx.zeros((args.num_experts, args.hidden_size))
+        self.expert_bias = mx.zeros((args.num_experts,), dtype=mx.float32)
+        self.k, self.n_group, self.topk_group = args.num_experts_per_tok, args.n_group, args.topk_group
+        self.scaling = args.routed_scaling_factor
+
+    def __call__(self, x):
+        s = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
+        b = s + self.expert_bias.astype(mx.float32)
+        if self.topk_group < self.n_group:
+            T, E = b.shape
+            grouped = b.reshape(T, self.n_group, E // self.n_group)
+            top2 = mx.topk(grouped, min(2, E // self.n_group), axis=-1).sum(-1)
+            dropped = mx.argpartition(top2, kth=self.n_group - self.topk_group - 1, axis=-1)
+            dropped = dropped[:, : self.n_group - self.topk_group]
+            group_ok = mx.put_along_axis(
+                mx.ones((T, self.n_group), dtype=mx.bool_), dropped, mx.array(False), axis=-1
+            )
+            keep = mx.broadcast_to(group_ok[..., None], grouped.shape).reshape(T, E)
+            b = mx.where(keep, b, -mx.inf)
+        idx = mx.argsort(-b, axis=-1)[:, : self.k]  # descending, as the reference sums
+        w = mx.take_along_axis(s, idx, axis=-1)
+        if self.k > 1:
+            w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        return mx.stop_gradient(idx), w * self.scaling
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = Gate(args)
+        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
+        if args.num_shared_experts:
+            self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)
+
+    def __call__(self, x):
+        shape = x.shape
+        t = x.reshape(-1, shape[-1])
+        idx, w = self.gate(t)
+        y = self.switch_mlp(t, idx).astype(mx.float32)  # [T, k, H]
+        y = (y * w[..., None]).sum(1).astype(x.dtype).reshape(shape)
+        if "shared_experts" in self:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attention = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.is_moe_layer(index):
+            self.mlp = SparseMoe(args)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, h, offset, mask, cache):
+        h = h + self.attention(self.input_layernorm(h), offset, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LLaDA2Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = LLaDA2Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self, capacity: int) -> list[CommittedKVCache]:
+        return [CommittedKVCache(capacity) for _ in self.model.layers]
+
+    def __call__(self, inputs, cache=None, mask=None, last: Optional[int] = None):
+        """float32 logits of ``inputs`` [B, L] (the last ``last`` positions only).
+
+        ``mask``: None (bidirectional), or a boolean/additive array over
+        [L, cached + L]. Positions start at the cache offset.
+        """
+        h = self.model.word_embeddings(inputs)
+        offset = cache[0].offset if cache else 0
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, offset, mask, cache[i] if cache else None)
+        if last is not None:
+            h = h[:, -last:]
+        h = self.model.norm(h)
+        if self.args.tie_word_embeddings:
+            return self.model.word_embeddings.as_linear(h).astype(mx.float32)
+        return self.lm_head(h).astype(mx.float32)
+
+    @staticmethod
+    def sanitize(weights: dict) -> dict:
+        return sanitize(weights)
+
+
+def block_causal_mask(start: int, length: int, prefix: int, block_length: int):
+    """Boolean [length, prefix + length] mask for a window at absolute positions
+    [start, start + length) over keys [start - prefix, start + length):
+    query i sees key j iff block(j) <= block(i). None when that is everything."""
+    if start % block_length == 0 and length <= block_length:
+        return None
+    q = mx.arange(start, start + length) // block_length
+    k = mx.arange(start - prefix, start + length) // block_length
+    return k[None, :] <= q[:, None]

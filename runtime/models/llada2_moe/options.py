@@ -1,0 +1,38 @@
+"""LLaDA-2's generation options (see dlm.runtime.options); defaults are
+applied by generate.Settings.from_options."""
+
+from ...options import BOOL, FLOAT, INT, MAX_TOKENS, PREFILL_STEP_SIZE, SEED, STR, Option
+
+BLOCK_LENGTH = 32
+STEPS = 32
+THRESHOLD = 0.95
+LINEAR_FLOOR = 0.5  # --threshold-schedule linear without an explicit floor
+EDITING_THRESHOLD_21 = 0.9  # the LLaDA2.1 hub generate() default
+MAX_POST_STEPS = 16
+
+OPTIONS = (
+    MAX_TOKENS,
+    Option("max_denoising_steps", INT, "Most denoising steps per block.", "generation_config steps, else 32",
+           minimum=1),
+    SEED,
+    Option("temp", FLOAT, "Sampling temperature.", "0: argmax", minimum=0.0, field="temperature"),
+    Option("top_k", INT, "Top-k sampling (0: off).", "off", minimum=0, neutral=0),
+    Option("top_p", FLOAT, "Top-p sampling (1: off).", "off", minimum=0.0, maximum=1.0, min_open=True,
+           neutral=1.0),
+    Option("block_length", INT, "Tokens per generation block.", str(BLOCK_LENGTH), minimum=1),
+    Option("threshold", FLOAT, "Reveal every masked position whose confidence exceeds this.",
+           str(THRESHOLD), minimum=0.0, maximum=1.0),
+    Option("threshold_schedule", STR, "Constant threshold, or a linear decay to FLOOR over a block's "
+           f"steps (linear alone decays to {LINEAR_FLOOR}).", "constant",
+           metavar="constant|linear[:FLOOR]"),
+    Option("editing_threshold", FLOAT, "LLaDA2.1 token-to-token editing: rewrite a generated token "
+           "when the new one's confidence exceeds this (1.0: off).",
+           f"{EDITING_THRESHOLD_21} on LLaDA2.1 checkpoints, off otherwise", minimum=0.0, maximum=1.0),
+    Option("max_post_steps", INT, "LLaDA2.1 editing: most passes after a block's last mask is filled.",
+           str(MAX_POST_STEPS), minimum=0),
+    Option("reference_sampling", BOOL, "The hub 2.0 sampler, which samples even at --temp 0 (parity work).",
+           request=False),
+    PREFILL_STEP_SIZE,
+)
+# Inputs LLaDA-2 cannot take, refused with this reason.
+REFUSED = {name: "LLaDA-2 is text-only" for name in ("image", "images", "audio", "video")}
