@@ -89,7 +89,7 @@ def generate(model_path, prompt, prompt_ids, system, chat_template, thinking, im
             raise click.UsageError("give --prompt or --prompt-ids, not both")
         loaded = api.load(model_path, trust_remote_code=trust_remote_code)
         if image:
-            kind = "a text-only model" if getattr(loaded.args, "text_only", True) else "dlm-run (text-only runtime)"
+            kind = "a text-only model" if loaded.args.text_only else "dlm-run (text-only runtime)"
             raise DlmError(f"image input is not supported by {kind}: {model_path}")
         options = {k: v for k, v in options.items() if v is not None}
         if ids is None:

@@ -13,6 +13,7 @@ from convert_helpers import leftovers, load_output
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
 from dlm.runtime.errors import ConfigError, WeightError
+from dlm.runtime.models.llada2_moe import to_hf
 from dlm.verify.llada2_moe import torch_model as R
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.weights import dequantized_weights
@@ -103,7 +104,7 @@ def test_mixed_recipe_classes_and_implementation_parity(hub_bf16, tmp_path):
     assert 4 < result.bits_per_weight < 8
     # Implementation parity: the torch reference on the dequantized MLX weights.
     loaded = api.load(out)
-    weights = A.hf_weights_from_mlx(dequantized_weights(out, cfg), cfg)
+    weights = to_hf(dequantized_weights(out, cfg))
     ref = A.load_reference(out, weights=weights)
     ids = api.encode_prompt(loaded, "Quantized?")
     want = ref.model(torch.tensor([ids]))[0].numpy()

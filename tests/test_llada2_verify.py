@@ -10,6 +10,7 @@ import torch
 import tiny_llada2 as T
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
+from dlm.runtime.models.llada2_moe import to_hf
 from dlm.verify import protocol
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.suite import Options, run_parity
@@ -67,7 +68,7 @@ def test_commit_streams_identical_greedy_and_seeded(dirs):
 
 def test_hf_weights_round_trip(dirs):
     cfg = json.loads((dirs / "mlx" / "config.json").read_text())
-    weights = A.hf_weights_from_mlx(dequantized_weights(dirs / "mlx", cfg), cfg)
+    weights = to_hf(dequantized_weights(dirs / "mlx", cfg))
     from safetensors.numpy import load_file
 
     src = load_file(str(dirs / "hf" / "model.safetensors"))

@@ -17,21 +17,12 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     read each tensor once, by key, while loading) that replaces the
     checkpoint's weights (implementation parity of a quantized model: these
     are the MLX model's dequantized weights, already mapped back to HF names by
-    ``hf_weights_from_mlx``). With ``weights`` given, ``path`` may be the
+    the family's ``to_hf``, in ``runtime/models/<family>/weights.py``). With ``weights`` given, ``path`` may be the
     converted MLX directory (only its config.json is then read). Never run
     checkpoint code unless ``trust_remote_code``. Raise
     ``dlm.runtime.errors.DlmError`` (or a subclass) with a clear message when
     the reference cannot be built. Returns an opaque handle that the other
     ``reference_*`` functions receive.
-
-``hf_weights_from_mlx(mlx_weights, config) -> Mapping[str, np.ndarray]``
-    Inverse of the converter's weight plan: ``mlx_weights`` are the converted
-    tensors, dequantized to float32 on access (a lazy Mapping,
-    ``dlm.verify.weights.dequantized_weights``), under their MLX names; return
-    them under the HF names that ``load_reference(weights=...)`` accepts
-    (re-split fused tensors, drop the ``.weight`` suffixes the converter
-    added, ...). A lazy view (``dlm.verify.weights.Renamed``) keeps memory at
-    one tensor; a plain dict works too.
 
 ``logit_cases(config, prompts, generation_config) -> list[LogitCase]``
     The fixed forward passes compared by the logits checks, for every prompt
@@ -198,7 +189,6 @@ class TraceRecorder:
 
 REQUIRED = (
     "load_reference",
-    "hf_weights_from_mlx",
     "logit_cases",
     "reference_logits",
     "mlx_logits",

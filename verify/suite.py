@@ -127,7 +127,7 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
         stream_prompts=stream_idx, original=original,
     )
     if mlx_dir is not None:
-        bundle.matched = _matched_run(Path(mlx_dir), bundle, adapter, options)
+        bundle.matched = _matched_run(Path(mlx_dir), bundle, family, adapter, options)
     return bundle
 
 
@@ -139,12 +139,12 @@ def _sliding_window(config: dict) -> Optional[int]:
     return int(value) if value else None
 
 
-def _matched_run(mlx_dir: Path, bundle: B.Bundle, adapter, options: Options) -> B.ReferenceRun:
+def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Options) -> B.ReferenceRun:
     """The reference with exactly the converted model's (dequantized) weights,
     in float32: what is left against MLX is its compute precision, and bugs."""
     config = read_json(mlx_dir / "config.json", "config")
     dtype = "float32"
-    weights = adapter.hf_weights_from_mlx(W.dequantized_weights(mlx_dir, config), config)
+    weights = family.model().to_hf(W.dequantized_weights(mlx_dir, config))
     ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
                                  trust_remote_code=options.trust_remote_code)
     del weights
@@ -250,7 +250,7 @@ def run_parity(mlx_dir, options: Options) -> Report:
             except ImportError:
                 matched_note = "needs torch (or a bundle recorded with --mlx for these weights)"
             else:
-                matched = _matched_run(mlx_dir, bundle, adapter, options)
+                matched = _matched_run(mlx_dir, bundle, family, adapter, options)
                 matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
     else:
         matched_note = "disabled (--no-implementation)"

@@ -152,28 +152,6 @@ def dequantized_weights(model_dir: Path, config: dict | None = None) -> Dequanti
     return DequantizedWeights(model_dir, config)
 
 
-class Renamed(Mapping):
-    """A lazy view of a weight mapping under other names: ``rename(name)``
-    returns the new name, or None to leave a tensor out."""
-
-    def __init__(self, source: Mapping, rename):
-        self.source = source
-        self._map = {}
-        for name in source:
-            new = rename(name)
-            if new is not None:
-                self._map[new] = name
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._map)
-
-    def __getitem__(self, name: str):
-        return self.source[self._map[name]]
-
-
 def fingerprint(model_dir: Path) -> str:
     """sha256 over config.json's quantization block and the weight files' bytes."""
     h = hashlib.sha256()

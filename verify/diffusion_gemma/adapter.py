@@ -170,21 +170,6 @@ def _load_weights(model, weights: dict, target_dtype) -> None:
     model.tie_weights()
 
 
-def hf_weights_from_mlx(mlx_weights, config: dict):
-    """MLX names -> HF names (converter plan: fused experts gained '.weight'),
-    as a lazy view: tensors are dequantized one at a time while loading."""
-    from ..weights import Renamed
-
-    def rename(name: str):
-        if name == "lm_head.weight":  # tied to embed_tokens
-            return None
-        if name.endswith(("experts.gate_up_proj.weight", "experts.down_proj.weight")):
-            return name[: -len(".weight")]
-        return name
-
-    return Renamed(mlx_weights, rename)
-
-
 # ---------------------------------------------------------------------------
 # Logit cases
 # ---------------------------------------------------------------------------

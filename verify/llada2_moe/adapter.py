@@ -16,7 +16,6 @@ torch is imported lazily (bundle comparisons run without it).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ from ..protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
 
 BLOCK_LENGTH = 32
 SEEDED_RUN = {"name": "seeded", "temperature": 0.8, "top_p": 0.95, "seed": 1234}
-_SWITCH = re.compile(r"^(model\.layers\.\d+\.mlp\.)switch_mlp\.(\w+_proj)\.weight$")
 
 
 def _args(config: dict):
@@ -109,21 +107,6 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
         model = model.to(ref_dtype).eval()
         notes.append("weights: the MLX model's (dequantized)")
     return Reference(model, config, generation_config, dtype, path, notes)
-
-
-def hf_weights_from_mlx(mlx_weights: dict, config: dict) -> dict:
-    """MLX names -> hub names: split the stacked switch experts per expert."""
-    out = {}
-    for name, value in mlx_weights.items():
-        if name.startswith("language_model."):
-            name = name[len("language_model."):]
-        m = _SWITCH.match(name)
-        if m:
-            for e in range(value.shape[0]):
-                out[f"{m.group(1)}experts.{e}.{m.group(2)}.weight"] = value[e]
-        else:
-            out[name] = value
-    return out
 
 
 # ---------------------------------------------------------------------------

@@ -7,6 +7,6 @@ generate.py (settings and the per-canvas step), options.py (generation options).
 
 from .config import ModelArgs, output_config
 from .model import Model
-from .weights import plan_weights, quant_class, sanitize
+from .weights import plan_weights, quant_class, sanitize, to_hf
 
-__all__ = ["Model", "ModelArgs", "output_config", "plan_weights", "quant_class", "sanitize"]
+__all__ = ["Model", "ModelArgs", "output_config", "plan_weights", "quant_class", "sanitize", "to_hf"]

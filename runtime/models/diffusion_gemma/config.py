@@ -7,9 +7,9 @@ Reference: ../shared/reference/diffusion_gemma.md (transformers 5.24).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ...errors import ConfigError
+from ..base import BaseModelArgs, ConfigReader
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -19,8 +19,8 @@ DEFAULT_ROPE = {
 }
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(BaseModelArgs):
     vocab_size: int = 262144
     hidden_size: int = 2816
     intermediate_size: int = 2112
@@ -70,14 +70,11 @@ class ModelArgs:
         else:
             raise ConfigError(f"{where}: model_type {model_type!r} is not a DiffusionGemma config")
 
-        def need(key: str) -> Any:
-            if key not in text:
-                raise ConfigError(f"{where}: text config is missing required key {key!r}")
-            return text[key]
-
-        n_layers = int(need("num_hidden_layers"))
-        kv_heads = int(need("num_key_value_heads"))
-        head_dim = int(text.get("head_dim", 256))
+        r = ConfigReader(text, where, "text config")
+        t = ConfigReader(top, where)
+        n_layers = r.int("num_hidden_layers", minimum=1)
+        kv_heads = r.int("num_key_value_heads", minimum=1)
+        head_dim = r.int("head_dim", 256, minimum=1)
         layer_types = list(text.get("layer_types") or [])
         if not layer_types:
             layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
@@ -86,27 +83,30 @@ class ModelArgs:
             raise ConfigError(
                 f"{where}: layer_types has {len(layer_types)} entries for {n_layers} layers"
             )
-        bad = sorted(set(layer_types) - {SLIDING, FULL})
+        bad = sorted(set(map(str, layer_types)) - {SLIDING, FULL})
         if bad:
             raise ConfigError(f"{where}: unknown layer_types {bad}")
 
         # Full-attention geometry: re-saved form wins (transformers pops the
         # flat keys when per_layer_config exists); a missing global_head_dim
         # means 512 in transformers.
-        per_layer = text.get("per_layer_config") or {}
-        global_dim = int(text.get("global_head_dim") or 512)
-        global_kv = int(text.get("num_global_key_value_heads") or kv_heads)
-        overrides: dict[int, dict] = {}
+        per_layer = r.dict("per_layer_config", {})
+        global_dim = r.int("global_head_dim", 512, minimum=1)
+        global_kv = r.int("num_global_key_value_heads", kv_heads, minimum=1)
+        overrides: dict[int, ConfigReader] = {}
         for key, value in per_layer.items():
             try:
-                overrides[int(key)] = dict(value or {})
-            except ValueError as exc:
-                raise ConfigError(f"{where}: per_layer_config key {key!r} is not a layer index") from exc
+                index = int(key)
+            except ValueError:
+                raise ConfigError(f"{where}: per_layer_config key {key!r} is not a layer index") from None
+            if not isinstance(value or {}, dict):
+                raise ConfigError(f"{where}: per_layer_config[{key!r}] must be an object")
+            overrides[index] = ConfigReader(dict(value or {}), where, f"per_layer_config[{key!r}]")
         dims, kvs = [], []
         for i, kind in enumerate(layer_types):
             if i in overrides:
-                dims.append(int(overrides[i].get("head_dim", head_dim)))
-                kvs.append(int(overrides[i].get("num_key_value_heads", kv_heads)))
+                dims.append(overrides[i].int("head_dim", head_dim, minimum=1))
+                kvs.append(overrides[i].int("num_key_value_heads", kv_heads, minimum=1))
             elif kind == FULL and not per_layer:
                 dims.append(global_dim)
                 kvs.append(global_kv)
@@ -115,40 +115,44 @@ class ModelArgs:
                 kvs.append(kv_heads)
 
         rope = dict(DEFAULT_ROPE)
-        rope.update(text.get("rope_parameters") or {})
-        eos = top.get("eos_token_id", text.get("eos_token_id", 1))
-        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        rope.update(r.dict("rope_parameters", {}))
+        vocab = r.int("vocab_size", minimum=1)
+        eos_key = "eos_token_id" if top.get("eos_token_id") is not None else None
+        eos_ids = (t.token_ids("eos_token_id", vocab=vocab) if eos_key
+                   else r.token_ids("eos_token_id", [1], vocab=vocab))
         args = cls(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
+            vocab_size=vocab,
+            hidden_size=r.int("hidden_size", minimum=1),
+            intermediate_size=r.int("intermediate_size", minimum=1),
             num_hidden_layers=n_layers,
-            num_attention_heads=int(need("num_attention_heads")),
+            num_attention_heads=r.int("num_attention_heads", minimum=1),
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             layer_head_dims=dims,
             layer_kv_heads=kvs,
             layer_types=layer_types,
             rope_parameters=rope,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            sliding_window=int(text.get("sliding_window", 1024)),
-            final_logit_softcapping=float(text.get("final_logit_softcapping") or 30.0),
-            num_experts=int(need("num_experts")),
-            top_k_experts=int(need("top_k_experts")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
-            hidden_activation=str(text.get("hidden_activation", "gelu_pytorch_tanh")),
-            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
-            canvas_length=int(top.get("canvas_length", 256)),
-            pad_token_id=int(text.get("pad_token_id", 0) or 0),
-            bos_token_id=int(text.get("bos_token_id", 2) or 2),
+            rms_norm_eps=r.float("rms_norm_eps", 1e-6, positive=True),
+            sliding_window=r.int("sliding_window", 1024, minimum=2),
+            final_logit_softcapping=r.float("final_logit_softcapping", 0.0) or 30.0,
+            num_experts=r.int("num_experts", minimum=1),
+            top_k_experts=r.int("top_k_experts", minimum=1),
+            moe_intermediate_size=r.int("moe_intermediate_size", minimum=1),
+            hidden_activation=r.str("hidden_activation", "gelu_pytorch_tanh"),
+            max_position_embeddings=r.int("max_position_embeddings", 262144, minimum=2),
+            canvas_length=t.int("canvas_length", 256, minimum=1),
+            pad_token_id=r.int("pad_token_id", 0, minimum=0),
+            bos_token_id=r.int("bos_token_id", 0, minimum=0) or 2,
             eos_token_ids=eos_ids,
-            image_token_id=top.get("image_token_id"),
-            boi_token_id=top.get("boi_token_id"),
-            eoi_token_id=top.get("eoi_token_id"),
-            use_bidirectional_attention=text.get("use_bidirectional_attention"),
-            vision_config=top.get("vision_config") if model_type == "diffusion_gemma" else None,
+            image_token_id=t.int("image_token_id", None, minimum=0),
+            boi_token_id=t.int("boi_token_id", None, minimum=0),
+            eoi_token_id=t.int("eoi_token_id", None, minimum=0),
+            use_bidirectional_attention=r.str("use_bidirectional_attention", None),
+            vision_config=t.dict("vision_config", None) if model_type == "diffusion_gemma" else None,
             model_type=model_type,
         )
+        if args.top_k_experts > args.num_experts:
+            raise ConfigError(f"{where}: top_k_experts={args.top_k_experts} exceeds num_experts={args.num_experts}")
         if args.use_bidirectional_attention == "all":
             raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported")
         if args.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):

@@ -4,6 +4,7 @@
   name and shape against the config;
 * ``sanitize``: any supported on-disk layout (dlm, mlx-community, plain HF) ->
   the MLX module tree (load time);
+* ``to_hf``: MLX tensors -> HF names (dlm-verify feeds them to the reference);
 * ``quant_class``: which recipe class each module belongs to (dlm.quantize).
 """
 
@@ -14,7 +15,7 @@ import re
 import mlx.core as mx
 
 from ...errors import WeightError
-from ..plan import TensorPlan
+from ..plan import Renamed, TensorPlan
 from .config import SLIDING, ModelArgs
 
 _DEC = "model.decoder."
@@ -72,6 +73,21 @@ def mlx_name(hf_name: str) -> str:
     if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return hf_name + ".weight"
     return hf_name
+
+
+def hf_name(name: str) -> str | None:
+    """MLX tensor name -> HF name (the inverse of mlx_name); None for the tied lm_head."""
+    if name == "lm_head.weight":
+        return None
+    if name.endswith(("experts.gate_up_proj.weight", "experts.down_proj.weight")):
+        return name[: -len(".weight")]
+    return name
+
+
+def to_hf(mlx_weights) -> Renamed:
+    """MLX weights under HF names, as a lazy view (dlm-verify hands them to the
+    PyTorch reference one tensor at a time)."""
+    return Renamed(mlx_weights, hf_name)
 
 
 def plan_weights(

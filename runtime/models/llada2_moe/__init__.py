@@ -8,7 +8,7 @@ The family surface the registry uses is re-exported here.
 
 from .config import ModelArgs, output_config
 from .model import Model, block_causal_mask
-from .weights import plan_weights, quant_class, sanitize
+from .weights import plan_weights, quant_class, sanitize, to_hf
 
 __all__ = ["Model", "ModelArgs", "block_causal_mask", "output_config", "plan_weights", "quant_class",
-           "sanitize"]
+           "sanitize", "to_hf"]

@@ -6,16 +6,16 @@ Reference: ../shared/reference/llada2_moe.md (§1).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ...errors import ConfigError
+from ..base import BaseModelArgs, ConfigReader
 
 DEFAULT_EOS_ID = 156892  # <|endoftext|>; 2.0 configs carry no eos_token_id
 DEFAULT_MASK_ID = 156895
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(BaseModelArgs):
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -59,56 +59,46 @@ class ModelArgs:
         if isinstance(cfg.get("text_config"), dict):  # mlx-vlm writes a nested text config
             cfg.update({k: v for k, v in cfg["text_config"].items() if k not in cfg})
 
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise ConfigError(f"{where}: llada2_moe config is missing required key {key!r}")
-            return cfg[key]
-
-        def ints(key: str, default: int) -> int:
-            value = cfg.get(key)
-            return default if value is None else int(value)
-
-        heads = int(need("num_attention_heads"))
+        r = ConfigReader(cfg, where, "llada2_moe config")
+        heads = r.int("num_attention_heads", minimum=1)
         kv_heads = cfg.get("num_key_value_heads")
-        if not kv_heads or int(kv_heads) <= 0:
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0:
             # The hub class default is 0, which divides by zero: say so instead.
             raise ConfigError(
                 f"{where}: num_key_value_heads must be a positive integer (got {kv_heads!r})"
             )
-        hidden = int(need("hidden_size"))
-        first_dense = ints("first_k_dense_replace", 0)
-        n_layers = int(need("num_hidden_layers"))
-        eos = cfg.get("eos_token_id")
-        if eos is None:
-            eos = cfg.get("pad_token_id", DEFAULT_EOS_ID)
-        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        hidden = r.int("hidden_size", minimum=1)
+        first_dense = r.int("first_k_dense_replace", 0, minimum=0)
+        vocab = r.int("vocab_size", minimum=1)
+        eos_key = "eos_token_id" if cfg.get("eos_token_id") is not None else "pad_token_id"
         args = cls(
-            vocab_size=int(need("vocab_size")),
+            vocab_size=vocab,
             hidden_size=hidden,
-            num_hidden_layers=n_layers,
+            num_hidden_layers=r.int("num_hidden_layers", minimum=1),
             num_attention_heads=heads,
-            num_key_value_heads=int(kv_heads),
-            head_dim=ints("head_dim", hidden // heads),
-            intermediate_size=int(need("intermediate_size")) if first_dense else ints("intermediate_size", 0),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
-            num_experts=int(need("num_experts")),
-            num_experts_per_tok=int(need("num_experts_per_tok")),
-            num_shared_experts=ints("num_shared_experts", 0),
+            num_key_value_heads=kv_heads,
+            head_dim=r.int("head_dim", hidden // heads, minimum=1),
+            intermediate_size=(r.int("intermediate_size", minimum=1) if first_dense
+                               else r.int("intermediate_size", 0, minimum=0)),
+            moe_intermediate_size=r.int("moe_intermediate_size", minimum=1),
+            num_experts=r.int("num_experts", minimum=1),
+            num_experts_per_tok=r.int("num_experts_per_tok", minimum=1),
+            num_shared_experts=r.int("num_shared_experts", 0, minimum=0),
             first_k_dense_replace=first_dense,
-            n_group=ints("n_group", 8),
-            topk_group=ints("topk_group", 4),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 0.5)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            use_qk_norm=bool(cfg.get("use_qk_norm", True)),
-            use_qkv_bias=bool(cfg.get("use_qkv_bias", False)),
-            use_bias=bool(cfg.get("use_bias", True)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=ints("max_position_embeddings", 16384),
-            pad_token_id=ints("pad_token_id", DEFAULT_EOS_ID),
-            eos_token_ids=eos_ids,
-            mask_token_id=ints("mask_token_id", DEFAULT_MASK_ID),
+            n_group=r.int("n_group", 8, minimum=1),
+            topk_group=r.int("topk_group", 4, minimum=1),
+            routed_scaling_factor=r.float("routed_scaling_factor", 2.5),
+            rope_theta=r.float("rope_theta", 10000.0, positive=True),
+            partial_rotary_factor=r.float("partial_rotary_factor", 0.5, positive=True),
+            rms_norm_eps=r.float("rms_norm_eps", 1e-5, positive=True),
+            use_qk_norm=r.bool("use_qk_norm", True),
+            use_qkv_bias=r.bool("use_qkv_bias", False),
+            use_bias=r.bool("use_bias", True),
+            tie_word_embeddings=r.bool("tie_word_embeddings", False),
+            max_position_embeddings=r.int("max_position_embeddings", 16384, minimum=2),
+            pad_token_id=r.int("pad_token_id", DEFAULT_EOS_ID, minimum=0),
+            eos_token_ids=r.token_ids(eos_key, [DEFAULT_EOS_ID]),
+            mask_token_id=r.int("mask_token_id", DEFAULT_MASK_ID, minimum=0),
         )
         args._validate(where, cfg)
         return args

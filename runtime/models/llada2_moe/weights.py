@@ -6,6 +6,7 @@ as ``model.layers.{i}.mlp.switch_mlp.{gate,up,down}_proj.weight`` [E, out, in]
 
 * ``plan_weights``: hub checkpoint -> MLX tensors (dlm-convert);
 * ``sanitize``: mlx-community layouts -> the MLX module tree (load time);
+* ``to_hf``: MLX tensors -> hub names, stacked experts split per expert (dlm-verify);
 * ``quant_class``: the mixed recipe's classes (dlm.quantize).
 """
 
@@ -117,6 +118,24 @@ def plan_weights(
             continue
         raise WeightError(f"unexpected tensor {name} in a llada2_moe checkpoint")
     return plans
+
+
+_SWITCH = re.compile(r"^(model\.layers\.\d+\.mlp\.)switch_mlp\.(\w+_proj)\.weight$")
+
+
+def to_hf(mlx_weights) -> dict:
+    """MLX names -> hub names: the stacked switch experts split per expert."""
+    out = {}
+    for name, value in mlx_weights.items():
+        if name.startswith("language_model."):
+            name = name[len("language_model."):]
+        m = _SWITCH.match(name)
+        if m:
+            for e in range(value.shape[0]):
+                out[f"{m.group(1)}experts.{e}.{m.group(2)}.weight"] = value[e]
+        else:
+            out[name] = value
+    return out
 
 
 _HIGH = re.compile(
