@@ -21,8 +21,10 @@ where the recipes separate, 3-bit uniform, 2-bit mixed and 2-bit uniform. Quanti
 variants keep bf16 for their unquantized tensors, as a conversion of a bf16
 Hub checkpoint would.
 
-    .venv/bin/python scripts/bench_fidelity.py --model demo/diffusion_gemma_sort --n 200
-    .venv/bin/python scripts/bench_fidelity.py --model demo/llada2_sort --n 200
+Run from the repository root, as a module (it shares code with scripts/ or tests/):
+
+    .venv/bin/python -m scripts.bench_fidelity --model demo/diffusion_gemma_sort --n 200
+    .venv/bin/python -m scripts.bench_fidelity --model demo/llada2_sort --n 200
 
 Prints a Markdown table (and writes JSON with --json). CPU-only is fine.
 """
@@ -39,10 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import demo_task
 
-import demo_task  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VARIANTS = {
     "float32": dict(dtype="float32"),
@@ -139,14 +140,14 @@ def run_torch(kind: str, ref, tokenizer, digits_list: list[str], seed: int) -> d
     import torch
 
     if kind == "diffusion_gemma":
-        import train_demo_diffusion_gemma as T
+        from scripts import train_demo_diffusion_gemma as T
 
         data = T.Data(tokenizer, 0)
         torch.manual_seed(seed)
         ev = T.evaluate(ref.model, data, digits_list)
         return dict(accuracy=ev["accuracy"], multi=ev["multi_canvas_accuracy"],
                     steps=ev["steps_per_canvas"], early=ev["early_stop_rate"], tpf=None)
-    import train_demo_llada2 as T
+    from scripts import train_demo_llada2 as T
 
     data = T.Data(tokenizer, 0)
     ev = T.evaluate(ref.model, data, digits_list)

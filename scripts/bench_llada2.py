@@ -1,13 +1,15 @@
 """Benchmark dlm's LLaDA-2 block unmasking against mlx-vlm 0.7.10 (not a test).
 
 Same converted checkpoint (dlm-convert output of a tiny random llada2_moe built
-by tests/tiny_llada2.py; mlx-vlm loads it as it is), same prompt ids, same
+by tests/builders.py; mlx-vlm loads it as it is), same prompt ids, same
 settings (greedy, block length, steps, threshold), no stop token (both run the
 full budget), same process and machine; runs are interleaved and the median of
 ``--repeats`` timed runs (after one warm-up each) is reported.
 
-    .venv/bin/python scripts/bench_llada2.py
-    .venv/bin/python scripts/bench_llada2.py --sizes tiny --steps 32 8 --json out.json
+Run from the repository root, as a module (it shares code with scripts/ or tests/):
+
+    .venv/bin/python -m scripts.bench_llada2
+    .venv/bin/python -m scripts.bench_llada2 --sizes tiny --steps 32 8 --json out.json
 
 Metrics per tool:
   committed tok/s   tokens returned that are not mask tokens / wall time of the call
@@ -35,8 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests.builders import build_llada2
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -53,7 +56,6 @@ DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4)}
 
 def build(work: Path, size: str, dtype: str) -> Path:
     from dlm.convert.pipeline import ConvertOptions, convert
-    from tiny_llada2 import build_llada2
 
     geometry, overrides = SIZES[size]
     hf = work / f"llada2-{size}-hf"
@@ -197,7 +199,8 @@ def main():
             del loaded, vmodel
             mx.clear_cache()
 
-    meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "mlx": mx.__version__,
+    command = " ".join([Path(sys.executable).name, "-m", __spec__.name] + sys.argv[1:])
+    meta = {"command": command, "mlx": mx.__version__,
             "mlx_vlm": vlm_version, "device": str(mx.default_device()), "machine": platform.machine(),
             "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens, "repeats": a.repeats}
     print(json.dumps(meta))

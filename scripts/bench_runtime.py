@@ -6,8 +6,10 @@ temperature schedule, temperature 1.0 = categorical sampling, full canvases,
 fixed step budget), same process and machine; runs are interleaved and the
 median of ``--repeats`` timed runs (after one warm-up each) is reported.
 
-    .venv/bin/python scripts/bench_runtime.py                  # tiny + small, f32 + q4
-    .venv/bin/python scripts/bench_runtime.py --sizes tiny --dtypes f32 --json out.json
+Run from the repository root, as a module (it shares code with scripts/ or tests/):
+
+    .venv/bin/python -m scripts.bench_runtime                  # tiny + small, f32 + q4
+    .venv/bin/python -m scripts.bench_runtime --sizes tiny --dtypes f32 --json out.json
 
 mlx-vlm must be importable from ``--peer`` (default .peer/, installed with
 ``pip install --no-deps --target .peer mlx-vlm==0.7.10 requests certifi
@@ -29,8 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests.builders import build_diffusion_gemma, convert_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -48,9 +51,6 @@ DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4)}
 
 
 def build(work: Path, size: str, dtype: str) -> Path:
-    from runtime_helpers import convert_dir
-    from tiny_checkpoints import build_diffusion_gemma
-
     hf = work / f"{size}-hf"
     if not (hf / "config.json").exists():
         spec = SIZES[size]
@@ -167,7 +167,8 @@ def main():
             del loaded
             mx.clear_cache()
 
-    meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "mlx": mx.__version__,
+    command = " ".join([Path(sys.executable).name, "-m", __spec__.name] + sys.argv[1:])
+    meta = {"command": command, "mlx": mx.__version__,
             "mlx_vlm": vlm_version, "device": str(mx.default_device()), "machine": platform.machine(),
             "canvases": a.canvases, "steps": a.steps, "repeats": a.repeats}
     print(json.dumps(meta))

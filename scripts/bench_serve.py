@@ -1,8 +1,10 @@
 """Benchmark dlm-run serve on loopback: serial latency, concurrent load (queueing
 included), and cancellation latency after a client hangs up mid-stream.
 
-    .venv/bin/python scripts/bench_serve.py --model path/to/mlx-model
-    .venv/bin/python scripts/bench_serve.py --tiny          # a tiny random DiffusionGemma
+Run from the repository root, as a module (it shares code with scripts/ or tests/):
+
+    .venv/bin/python -m scripts.bench_serve --model path/to/mlx-model
+    .venv/bin/python -m scripts.bench_serve --tiny          # a tiny random DiffusionGemma
 
 Numbers depend on the machine, the model and the prompt; the serial worker means
 concurrency adds queueing, not throughput.
@@ -14,7 +16,6 @@ import argparse
 import json
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -26,6 +27,7 @@ import uvicorn
 
 from dlm.runtime import api
 from dlm.runtime.server import create_app
+from tests.builders import build_diffusion_gemma, convert_dir
 
 
 def start(app):
@@ -40,15 +42,8 @@ def start(app):
 
 
 def tiny_model(root: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_checkpoints import build_diffusion_gemma
-
-    from dlm.convert.pipeline import ConvertOptions, convert
-
     build_diffusion_gemma(root / "hf", form="hub")
-    convert(ConvertOptions(source=str(root / "hf"), output=str(root / "tiny-dg"), text_only=True,
-                           progress=False), echo=lambda s: None)
-    return root / "tiny-dg"
+    return convert_dir(root / "hf", root / "tiny-dg", text_only=True)
 
 
 def main() -> None:

@@ -23,7 +23,9 @@ an interrupted run still leaves a usable model, evaluates with transformers'
 own `generate` (the float reference) on the held-out set, and records the
 result in the checkpoint's README.md and training_summary.json.
 
-    .venv/bin/python scripts/train_demo_diffusion_gemma.py --out demo/diffusion_gemma_sort
+Run from the repository root, as a module (it shares code with scripts/ or tests/):
+
+    .venv/bin/python -m scripts.train_demo_diffusion_gemma --out demo/diffusion_gemma_sort
 """
 
 from __future__ import annotations
@@ -34,15 +36,12 @@ import json
 import math
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))
+from scripts import demo_task
 
-import demo_task  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB = 128
 CANVAS = 8
@@ -274,14 +273,15 @@ def main(argv=None):
 
     import torch
     import transformers
-    from tiny_checkpoints import build_tokenizer
     from transformers import PreTrainedTokenizerFast
+
+    from tests.builders import build_diffusion_gemma_tokenizer
 
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     tok_dir = args.out.with_name(args.out.name + ".tokenizer")
     shutil.rmtree(tok_dir, ignore_errors=True)
-    build_tokenizer(VOCAB, tok_dir)
+    build_diffusion_gemma_tokenizer(VOCAB, tok_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
     data = Data(tokenizer, args.seed)
     model = build_model(args.seed, {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden}).train()

@@ -24,7 +24,9 @@ block_length / steps / threshold, dlm's early block stop) on the held-out set,
 and the result is recorded in the checkpoint's README.md and
 training_summary.json.
 
-    .venv/bin/python scripts/train_demo_llada2.py --out demo/llada2_sort
+Run from the repository root, as a module (it shares code with scripts/ or tests/):
+
+    .venv/bin/python -m scripts.train_demo_llada2 --out demo/llada2_sort
 """
 
 from __future__ import annotations
@@ -34,15 +36,12 @@ import json
 import math
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))
+from scripts import demo_task
 
-import demo_task  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BLOCK = 8
 GEOMETRY = dict(
@@ -57,9 +56,9 @@ BIAS_RATE = 1e-3  # aux-loss-free balancing step on expert_bias
 
 def ids():
     """(eos, mask) ids of the tiny LLaDA tokenizer."""
-    import tiny_llada2
+    from tests.builders import LLADA2_EOS_ID, LLADA2_MASK_ID
 
-    return tiny_llada2.EOS_ID, tiny_llada2.MASK_ID
+    return LLADA2_EOS_ID, LLADA2_MASK_ID
 
 
 def generation_config() -> dict:
@@ -75,11 +74,11 @@ def generation_config() -> dict:
 
 def build_model(seed: int):
     import torch
-    import tiny_llada2
 
     from dlm.verify.llada2_moe.torch_model import LLaDA2Reference, RefConfig
+    from tests.builders import llada2_hub_config
 
-    cfg = tiny_llada2.hub_config("base", **GEOMETRY)
+    cfg = llada2_hub_config("base", **GEOMETRY)
     cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
     torch.manual_seed(seed)
     model = LLaDA2Reference(RefConfig.from_dict(cfg))
@@ -256,15 +255,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import torch
-    import tiny_llada2
     from transformers import PreTrainedTokenizerFast
+
+    from tests.builders import build_llada2_tokenizer
 
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     tok_dir = args.out.with_name(args.out.name + ".tokenizer")
     shutil.rmtree(tok_dir, ignore_errors=True)
     model, cfg = build_model(args.seed)
-    tiny_llada2.build_tokenizer(cfg["vocab_size"], tok_dir)
+    build_llada2_tokenizer(cfg["vocab_size"], tok_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
     data = Data(tokenizer, args.seed)
     model.train()

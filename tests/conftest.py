@@ -1,10 +1,8 @@
+import contextlib
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 # Tests never reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -13,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_dg_dir(tmp_path_factory):
     """A tiny random DiffusionGemma checkpoint (hub config form), shared by tests."""
-    from tiny_checkpoints import build_diffusion_gemma
+    from tests.builders import build_diffusion_gemma
 
     out = tmp_path_factory.mktemp("tiny_dg")
     build_diffusion_gemma(out, form="hub")
@@ -23,7 +21,7 @@ def tiny_dg_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_dg_mlx_dir(tiny_dg_dir, tmp_path_factory):
     """``tiny_dg_dir`` converted by dlm-convert (float32, text-only layout)."""
-    from runtime_helpers import convert_dir
+    from tests.builders import convert_dir
 
     return convert_dir(tiny_dg_dir, tmp_path_factory.mktemp("tiny_dg_mlx") / "f32")
 
@@ -31,6 +29,42 @@ def tiny_dg_mlx_dir(tiny_dg_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_dg_torch(tiny_dg_dir):
     """``tiny_dg_dir`` loaded by transformers (float32, eval): the reference."""
-    from runtime_helpers import load_hf
+    from tests.builders import load_diffusion_gemma_hf
 
-    return load_hf(tiny_dg_dir)
+    return load_diffusion_gemma_hf(tiny_dg_dir)
+
+
+@contextlib.contextmanager
+def _serving(app, timeout: float = 30.0):
+    """Serve ``app`` with uvicorn on 127.0.0.1 and a free port in a background thread;
+    yields the base URL."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def serving():
+    """The loopback harness for a dlm server app: ``with serving(app) as base_url: ...``."""
+    return _serving

@@ -8,12 +8,12 @@ import os
 
 import pytest
 from click.testing import CliRunner
-from convert_helpers import copy_checkpoint, leftovers, reshard
 
 from dlm.convert import pipeline, writer
 from dlm.convert.cli import main
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime.errors import DlmError
+from tests.builders import copy_checkpoint, leftovers, reshard
 
 
 @pytest.fixture

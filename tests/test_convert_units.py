@@ -6,7 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from convert_helpers import load_output, mx_bits
 from safetensors.torch import save_file
 
 from dlm.convert import pipeline
@@ -14,6 +13,7 @@ from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.convert.reader import CheckpointReader
 from dlm.convert.writer import OutTensor, plan_shards
 from dlm.quantize.recipes import QuantizationError, make_spec
+from tests.builders import load_output, mx_bits
 
 
 def test_reader_reads_bf16_rows_lazily(tmp_path):

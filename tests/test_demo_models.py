@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import demo_task  # noqa: E402
+from scripts import demo_task
+from tests import ROOT
 
 DG = ROOT / "demo" / "diffusion_gemma_sort"
 LL = ROOT / "demo" / "llada2_sort"

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import demo_task  # noqa: E402
+from scripts import demo_task
 
 
 def test_answer_and_checker():

@@ -8,13 +8,8 @@ forward passes."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +23,13 @@ def torch1():
 def test_dg_prefix_caches_equal_encoding_the_prefix_alone(torch1, tmp_path):
     """One encoder pass serves every canvas: the decoder logits from a cut of
     the full cache equal transformers' forward on the prefix alone."""
-    import train_demo_diffusion_gemma as T
-    from tiny_checkpoints import build_tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    from scripts import train_demo_diffusion_gemma as T
+    from tests.builders import build_diffusion_gemma_tokenizer
+
     torch = torch1
-    build_tokenizer(T.VOCAB, tmp_path)
+    build_diffusion_gemma_tokenizer(T.VOCAB, tmp_path)
     data = T.Data(PreTrainedTokenizerFast.from_pretrained(str(tmp_path)), seed=3)
     model = T.build_model(0).eval()
     seqs, P, K = data.batch(2)
@@ -54,16 +50,16 @@ def test_dg_prefix_caches_equal_encoding_the_prefix_alone(torch1, tmp_path):
 def test_llada2_training_mask_gives_every_block_its_generation_view(torch1, tmp_path):
     """Over [x_t ; x_0], block b of x_t gets the logits the reference computes on
     the window generate() runs: clean blocks < b, then the noisy block b."""
-    import tiny_llada2
-    import train_demo_llada2 as T
     from transformers import PreTrainedTokenizerFast
 
     from dlm.verify.llada2_moe.torch_model import block_causal_mask
+    from scripts import train_demo_llada2 as T
+    from tests.builders import build_llada2_tokenizer
 
     torch = torch1
     model, cfg = T.build_model(0)
     model.eval()
-    tiny_llada2.build_tokenizer(cfg["vocab_size"], tmp_path)
+    build_llada2_tokenizer(cfg["vocab_size"], tmp_path)
     data = T.Data(PreTrainedTokenizerFast.from_pretrained(str(tmp_path)), seed=0)
     noisy, clean, masked = data.batch(2, torch.Generator().manual_seed(0))
     n = noisy.shape[1]
@@ -79,8 +75,9 @@ def test_llada2_training_mask_gives_every_block_its_generation_view(torch1, tmp_
 
 
 def test_dg_training_script_writes_a_hub_checkpoint(torch1, tmp_path):
-    import train_demo_diffusion_gemma as T
     from transformers import DiffusionGemmaForBlockDiffusion
+
+    from scripts import train_demo_diffusion_gemma as T
 
     out = tmp_path / "dg"
     T.main(["--out", str(out), "--steps", "2", "--batch", "4", "--eval-n", "1", "--final-n", "2",
@@ -96,9 +93,8 @@ def test_dg_training_script_writes_a_hub_checkpoint(torch1, tmp_path):
 
 
 def test_llada2_training_script_writes_a_hub_checkpoint(torch1, tmp_path):
-    import train_demo_llada2 as T
-
     from dlm.verify.llada2_moe.torch_model import load_reference
+    from scripts import train_demo_llada2 as T
 
     out = tmp_path / "ll"
     T.main(["--out", str(out), "--steps", "2", "--batch", "4", "--eval-n", "1", "--final-n", "2"])

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from server_harness import serving
 
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
@@ -48,7 +47,7 @@ def dg(dg_paths):
 
 
 @pytest.fixture(scope="module")
-def served(dg):
+def served(dg, serving):
     app = create_app(dg, DEFAULTS, queue_size=4, max_body_bytes=64 * 1024)
     with serving(app) as base:
         yield base, app.state.worker
@@ -176,7 +175,7 @@ class ThinkingRuntime:
             yield event
 
 
-def test_reasoning_streams_as_reasoning_content_and_stays_out_of_answers(dg):
+def test_reasoning_streams_as_reasoning_content_and_stays_out_of_answers(dg, serving):
     app = create_app(dg, DEFAULTS, runtime=ThinkingRuntime())
     body = {"messages": MSGS, "seed": 4, "max_tokens": 16}
     with serving(app) as base:
@@ -270,7 +269,7 @@ def test_bad_requests_get_a_clear_4xx_and_the_next_one_is_served(served, route, 
     assert worker.status()["alive"]
 
 
-def test_images_to_the_multimodal_checkpoint_are_refused_cleanly(dg_paths):
+def test_images_to_the_multimodal_checkpoint_are_refused_cleanly(dg_paths, serving):
     app = create_app(api.load(dg_paths["tiny-dg-vision"]), DEFAULTS)
     with serving(app) as base, httpx.Client(base_url=base, timeout=60) as h:
         r = h.post("/v1/chat/completions", json=user(IMAGE))
@@ -435,7 +434,7 @@ def test_disconnects_while_generating_or_queued_cancel_the_request(served):
     assert worker.served == served_before + 1  # only the holder ran
 
 
-def test_api_key_is_required_on_every_route(dg):
+def test_api_key_is_required_on_every_route(dg, serving):
     app = create_app(dg, DEFAULTS, api_key="sekret-key")
     with serving(app) as base:
         for method, path in (("GET", "/health"), ("GET", "/v1/models"),

@@ -1,6 +1,7 @@
-"""dlm-verify pieces: the debug-canvas harness around transformers' generate,
-self-conditioning inputs, metrics, divergence reports, thresholds,
-dequantization, and clear errors for bad input."""
+"""dlm-verify pieces that no family owns: metrics, divergence reports,
+thresholds, dequantization, the drift and commit-stream checks, and clear
+errors for bad input (the DiffusionGemma adapter's own pieces are in
+diffusion_gemma/test_verify_adapter.py)."""
 
 from __future__ import annotations
 
@@ -12,83 +13,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify_helpers import convert  # noqa: E402
-
 from dlm.runtime.errors import ConfigError, DlmError  # noqa: E402
 from dlm.verify import metrics as M  # noqa: E402
-from dlm.verify.diffusion_gemma import adapter as R  # noqa: E402
 from dlm.verify import thresholds as T  # noqa: E402
-from dlm.verify.protocol import BlockTrace, CommitStream, TraceRecorder, check_adapter  # noqa: E402
+from dlm.verify.protocol import BlockTrace, CommitStream, TraceRecorder  # noqa: E402
+from tests.builders import build_llada2, convert_dir, install_in_hf_cache, record_bundle  # noqa: E402
 
-PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 
-
-@pytest.fixture(scope="module")
-def ref(tiny_dg_dir):
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield R.load_reference(tiny_dg_dir)
+    yield
     torch.set_num_threads(n)
-
-
-# -- the debug canvas around transformers' own generate -----------------------
-
-
-def test_debug_canvas_replaces_every_draw_in_order(ref):
-    """Canvas init is pattern 0, step k's renoise is pattern k (§4.7 order), the
-    sample is the argmax; the global torch seed no longer matters."""
-    settings = R.stream_settings(ref.config, ref.generation_config, blocks=1, steps=3)
-    L, V = R._canvas_length(ref.config), R._vocab(ref.config)
-    canvases, argmaxes = [], []
-    real = ref.model.forward
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        canvases.append(kwargs["decoder_input_ids"][0].tolist())
-        argmaxes.append(out.logits[0].argmax(-1).tolist())
-        return out
-
-    ref.model.forward = spy
-    try:
-        torch.manual_seed(1)
-        a = R.reference_commit_stream(ref, PROMPT, settings)
-    finally:
-        del ref.model.forward
-    torch.manual_seed(2)
-    b = R.reference_commit_stream(ref, PROMPT, settings)
-    assert a.tokens == b.tokens and a.steps_per_block == b.steps_per_block == [3]
-    assert canvases[0] == R.debug_pattern(0, L, V).tolist()
-    # Step 2's canvas: accepted positions hold step 1's argmax, the rest pattern 1.
-    pattern1 = R.debug_pattern(1, L, V).tolist()
-    kept = [i for i in range(L) if canvases[1][i] != pattern1[i]]
-    assert kept and all(canvases[1][i] == argmaxes[0][i] for i in kept)
-    assert len(kept) < L  # the random tiny model accepts few tokens per step
-    # The commit is the last step's argmax, and the trace recorded it.
-    assert a.blocks[0].tokens == argmaxes[-1]
-    np.testing.assert_array_equal(a.blocks[0].step_argmax[-1], argmaxes[-1])
-    assert torch.randint(0, 5, (3,)).shape == (3,)  # the patch is gone
-
-
-def test_self_conditioning_inputs_keep_top_probabilities():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
-    arrays = R.sc_inputs(logits, temperature=0.8, k=16)
-    dense = R.dense_sc(arrays, 300)
-    x = logits.astype(np.float64) / 0.8
-    p = np.exp(x - x.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    q = np.exp(dense - dense.max(-1, keepdims=True))
-    q /= q.sum(-1, keepdims=True)
-    ids = arrays["sc_ids"]
-    np.testing.assert_allclose(np.take_along_axis(q, ids, -1), np.take_along_axis(p, ids, -1), rtol=1e-5)
-
-
-def test_adapter_is_found_through_the_registry():
-    from dlm.runtime.registry import family_for_config
-
-    family = family_for_config({"model_type": "diffusion_gemma"})
-    assert family.reference() is R
-    check_adapter(R)
 
 
 # -- metrics and divergence ----------------------------------------------------
@@ -166,7 +103,7 @@ def test_dequantized_weights_reproduce_the_quantized_matmul(tiny_dg_dir, tmp_pat
     from dlm.runtime.api import load
     from dlm.verify.weights import dequantized_weights, precision
 
-    q4 = convert(tiny_dg_dir, tmp_path / "q4", quantize=True, q_bits=4, q_group_size=32)
+    q4 = convert_dir(tiny_dg_dir, tmp_path / "q4", quantize=True, q_bits=4, q_group_size=32)
     prec = precision(q4)
     assert (prec.label, prec.bits, prec.compute_dtype) == ("mixed-q4", 4, "float32")
     weights = dequantized_weights(q4)
@@ -192,7 +129,7 @@ def _cli(args):
 
 @pytest.fixture(scope="module")
 def f32(tiny_dg_dir, tmp_path_factory):
-    return convert(tiny_dg_dir, tmp_path_factory.mktemp("verify_err") / "f32")
+    return convert_dir(tiny_dg_dir, tmp_path_factory.mktemp("verify_err") / "f32")
 
 
 def test_error_when_reference_cannot_be_loaded(f32, tmp_path):
@@ -220,8 +157,6 @@ def test_error_without_recorded_source(f32, tmp_path):
 
 
 def test_error_on_incompatible_bundle_and_bad_flags(f32, tmp_path):
-    from verify_helpers import record_bundle
-
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('Hello there\n{"ids": [2, 40, 41, 42]}\n')
     bundle = record_bundle(f32, tmp_path / "b", builtin_prompts=False, prompts_file=str(prompts),
@@ -254,8 +189,6 @@ def test_record_requires_a_reference(tmp_path):
 
 def test_reference_from_the_hf_cache_offline(tiny_dg_dir, tmp_path, monkeypatch):
     """A repo id resolves through the Hugging Face cache with HF_HUB_OFFLINE set."""
-    from tiny_checkpoints import install_in_hf_cache
-
     from dlm.verify.suite import Options, record
 
     install_in_hf_cache(tiny_dg_dir, tmp_path / "hub", "tiny-org/tiny-dg")
@@ -290,8 +223,6 @@ def test_drift_check_flags_extra_denoising_steps():
 
 
 def test_error_when_reference_is_another_family(f32, tmp_path):
-    from tiny_llada2 import build_llada2
-
     build_llada2(tmp_path / "llada2")
     r = _cli([str(f32), "--reference", str(tmp_path / "llada2"), "-q"])
     assert r.exit_code == 2 and "llada2_moe" in r.output and "diffusion_gemma" in r.output

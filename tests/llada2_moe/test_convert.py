@@ -8,8 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import tiny_llada2 as T
-from convert_helpers import leftovers, load_output
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
 from dlm.runtime.errors import ConfigError, WeightError
@@ -17,6 +15,17 @@ from dlm.runtime.models.llada2_moe import to_hf
 from dlm.verify.llada2_moe import torch_model as R
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.weights import dequantized_weights
+from tests.builders import (
+    LLADA2_EOS_ID,
+    LLADA2_MASK_ID,
+    LLADA2_ROLE_END_ID,
+    bits_of,
+    build_llada2,
+    leftovers,
+    load_output,
+    mx_bits,
+    source_tensors,
+)
 
 torch.set_num_threads(1)
 
@@ -28,14 +37,14 @@ def run(src, out, **kw):
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     path = tmp_path_factory.mktemp("l2_hub")
-    ref = T.build_llada2(path, "dense2")
+    ref = build_llada2(path, "dense2")
     return path, ref
 
 
 @pytest.fixture(scope="module")
 def hub_bf16(tmp_path_factory):
     path = tmp_path_factory.mktemp("l2_hub_bf16")
-    T.build_llada2(path, "base", dtype="bfloat16", shards=3)
+    build_llada2(path, "base", dtype="bfloat16", shards=3)
     return path
 
 
@@ -74,9 +83,9 @@ def test_float_conversion_stacks_experts_and_matches_reference(hub, tmp_path):
     assert np.abs(_logits(loaded, ids) - want).max() < 1e-4
     result = api.generate(loaded, ids, {"max_tokens": 40, "block_length": 16, "threshold": 0.9})
     expect = R.generate(ref, torch.tensor(ids), block_length=16, steps=32, gen_length=40, threshold=0.9,
-                        eos_id=[T.EOS_ID, T.ROLE_END_ID], mask_id=T.MASK_ID, hub_sampler=False,
+                        eos_id=[LLADA2_EOS_ID, LLADA2_ROLE_END_ID], mask_id=LLADA2_MASK_ID, hub_sampler=False,
                         suppress_mask=True).tolist()
-    assert result.token_ids == [t for t in expect if t not in (T.EOS_ID, T.ROLE_END_ID)]
+    assert result.token_ids == [t for t in expect if t not in (LLADA2_EOS_ID, LLADA2_ROLE_END_ID)]
 
 
 def test_mixed_recipe_classes_and_implementation_parity(hub_bf16, tmp_path):
@@ -119,13 +128,13 @@ def test_bf16_conversion_keeps_expert_bias_float32_and_runs(hub_bf16, tmp_path):
     assert got["model.layers.1.mlp.gate.expert_bias"].dtype == mx.float32
     loaded = api.load(out)
     res = api.generate(loaded, api.encode_prompt(loaded, "hi"), {"max_tokens": 10, "block_length": 8})
-    assert len(res.token_ids) <= 10 and T.MASK_ID not in res.token_ids
+    assert len(res.token_ids) <= 10 and LLADA2_MASK_ID not in res.token_ids
 
 
 def test_merged_expert_layout_converts_identically(hub, tmp_path):
     src, _ = hub
     merged = tmp_path / "merged"
-    T.build_llada2(merged, "dense2", layout="merged")
+    build_llada2(merged, "dense2", layout="merged")
     run(src, tmp_path / "a")
     run(merged, tmp_path / "b")
     a, b = load_output(tmp_path / "a"), load_output(tmp_path / "b")
@@ -182,3 +191,33 @@ def test_config_without_kv_heads_fails_cleanly(hub, tmp_path):
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         run(bad, out)
     assert leftovers(tmp_path, out) == []
+
+
+def test_llada2_stacks_experts_and_keeps_expert_bias_float32(tmp_path):
+    """The generic pipeline runs a family's combine plans (per-expert -> stacked) and keep_float32."""
+    src = tmp_path / "llada2"
+    build_llada2(src, shards=2)
+    tensors = source_tensors(src)
+    cfg = json.loads((src / "config.json").read_text())
+    layer = cfg["first_k_dense_replace"]
+    experts = [tensors[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"] for e in range(cfg["num_experts"])]
+    stacked = torch.stack(experts)
+
+    out = tmp_path / "bf16"
+    run(src, out, dtype="bfloat16")
+    got = load_output(out)
+    mine = got[f"model.layers.{layer}.mlp.switch_mlp.up_proj.weight"]
+    assert mine.dtype == mx.bfloat16 and mine.shape == tuple(stacked.shape)
+    assert np.array_equal(mx_bits(mine), bits_of(stacked.to(torch.bfloat16)))
+    bias = got[f"model.layers.{layer}.mlp.gate.expert_bias"]
+    assert bias.dtype == mx.float32
+    assert np.array_equal(mx_bits(bias), bits_of(tensors[f"model.layers.{layer}.mlp.gate.expert_bias"]))
+
+    out = tmp_path / "q4"
+    run(src, out, quantize=True)
+    got = load_output(out)
+    name = f"model.layers.{layer}.mlp.switch_mlp.up_proj"
+    want = mx.quantize(mx.array(stacked.numpy()), group_size=64, bits=4)
+    assert stacked.shape[-1] % 64 == 0  # the tiny hidden size, so the experts do quantize
+    for part, arr in zip(("weight", "scales", "biases"), want):
+        assert np.array_equal(np.array(got[f"{name}.{part}"]), np.array(arr)), part

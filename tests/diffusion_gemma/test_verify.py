@@ -12,10 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify_helpers import FAST, TINY_DRIFT, convert, record_bundle  # noqa: E402
-
 from dlm.verify import bundle as B  # noqa: E402
 from dlm.verify.suite import Options, record, run_parity  # noqa: E402
+from tests.builders import FAST_VERIFY, TINY_DRIFT, convert_dir, record_bundle, verify_options  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,9 +29,9 @@ def _one_thread():
 def conversions(tiny_dg_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("verify_conversions")
     return {
-        "f32": convert(tiny_dg_dir, root / "f32"),
-        "bf16": convert(tiny_dg_dir, root / "bf16", dtype="bfloat16"),
-        "q4": convert(tiny_dg_dir, root / "q4", quantize=True, q_bits=4, q_group_size=32),
+        "f32": convert_dir(tiny_dg_dir, root / "f32"),
+        "bf16": convert_dir(tiny_dg_dir, root / "bf16", dtype="bfloat16"),
+        "q4": convert_dir(tiny_dg_dir, root / "q4", quantize=True, q_bits=4, q_group_size=32),
     }
 
 
@@ -42,17 +41,13 @@ def reference_bundle(tiny_dg_dir, tmp_path_factory):
     return record_bundle(tiny_dg_dir, tmp_path_factory.mktemp("verify_bundle") / "bundle")
 
 
-def opts(**kw) -> Options:
-    return Options(**{**FAST, "thresholds": TINY_DRIFT, **kw})
-
-
 def statuses(report) -> dict:
     return {c.name: c.status for c in report.checks}
 
 
 def test_float32_conversion_passes_live(conversions):
     # Default reference: the source the converter recorded in config.json.
-    report = run_parity(conversions["f32"], opts())
+    report = run_parity(conversions["f32"], verify_options())
     assert report.passed, report.table()
     assert statuses(report) == {"logits": "pass", "implementation": "pass", "drift": "skip",
                                 "commit_stream": "pass"}
@@ -66,7 +61,7 @@ def test_float32_conversion_passes_live(conversions):
 
 
 def test_bf16_conversion_passes(conversions, reference_bundle):
-    report = run_parity(conversions["bf16"], opts(bundle=str(reference_bundle)))
+    report = run_parity(conversions["bf16"], verify_options(bundle=str(reference_bundle)))
     assert report.passed, report.table()
     assert report.precision["compute_dtype"] == "bfloat16"
     impl = report.check("implementation")
@@ -75,7 +70,7 @@ def test_bf16_conversion_passes(conversions, reference_bundle):
 
 
 def test_q4_conversion_passes_with_tight_implementation_parity(conversions, reference_bundle):
-    report = run_parity(conversions["q4"], opts(bundle=str(reference_bundle)))
+    report = run_parity(conversions["q4"], verify_options(bundle=str(reference_bundle)))
     assert report.passed, report.table()
     assert report.precision["bits"] == 4 and report.precision["compute_dtype"] == "float32"
     impl = report.check("implementation").metrics
@@ -90,14 +85,14 @@ def test_q4_conversion_passes_with_tight_implementation_parity(conversions, refe
 
 def test_q4_drift_is_gated_with_default_thresholds(conversions, reference_bundle):
     # The real-checkpoint drift bounds flag the chaotic tiny model: the gate works.
-    report = run_parity(conversions["q4"], Options(**{**FAST, "bundle": str(reference_bundle)}))
+    report = run_parity(conversions["q4"], Options(**{**FAST_VERIFY, "bundle": str(reference_bundle)}))
     assert statuses(report)["drift"] == "fail"
     assert any("commit_match" in f or "top1" in f for f in report.check("drift").failures)
 
 
 def test_bundle_verdict_matches_live(conversions, tiny_dg_dir, reference_bundle):
-    live = run_parity(conversions["q4"], opts(reference=str(tiny_dg_dir)))
-    recorded = run_parity(conversions["q4"], opts(bundle=str(reference_bundle)))
+    live = run_parity(conversions["q4"], verify_options(reference=str(tiny_dg_dir)))
+    recorded = run_parity(conversions["q4"], verify_options(bundle=str(reference_bundle)))
     assert statuses(live) == statuses(recorded)
     assert live.passed == recorded.passed
     for name in ("logits", "implementation", "drift"):
@@ -108,7 +103,7 @@ def test_bundle_verdict_matches_live(conversions, tiny_dg_dir, reference_bundle)
 
 
 def test_bundle_roundtrip_and_matched_section(conversions, tiny_dg_dir, tmp_path):
-    data = record(str(tiny_dg_dir), Options(reference=str(tiny_dg_dir), long_prompt=False, **FAST),
+    data = record(str(tiny_dg_dir), Options(reference=str(tiny_dg_dir), long_prompt=False, **FAST_VERIFY),
                   mlx_dir=conversions["q4"])
     out = B.save(data, tmp_path / "b")
     loaded = B.load(out)
@@ -124,7 +119,7 @@ def test_bundle_roundtrip_and_matched_section(conversions, tiny_dg_dir, tmp_path
     np.testing.assert_array_equal(s0.blocks[0].topk_logits, s1.blocks[0].topk_logits)
     assert loaded.matched is not None and loaded.matched.meta["fingerprint"]
     # The matched section is used (no live torch reference needed) for these exact weights.
-    report = run_parity(conversions["q4"], opts(bundle=str(out)))
+    report = run_parity(conversions["q4"], verify_options(bundle=str(out)))
     assert "recorded in the bundle" in report.check("implementation").note
     assert report.passed, report.table()
 

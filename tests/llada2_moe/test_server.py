@@ -6,12 +6,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-import tiny_llada2 as T
-from server_harness import serving
 
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
 from dlm.runtime.server import create_app
+from tests.builders import build_llada2
 
 DEFAULTS = {"max_tokens": 8, "block_length": 4, "max_denoising_steps": 4}
 MSGS = [{"role": "user", "content": "Name a colour."}]
@@ -20,14 +19,14 @@ MSGS = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture(scope="module")
 def llada(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_llada2")
-    T.build_llada2(root / "hf", "base")
+    build_llada2(root / "hf", "base")
     convert(ConvertOptions(source=str(root / "hf"), output=str(root / "tiny-llada2"), progress=False),
             echo=lambda s: None)
     return api.load(root / "tiny-llada2")
 
 
 @pytest.fixture(scope="module")
-def served(llada):
+def served(llada, serving):
     app = create_app(llada, DEFAULTS, queue_size=2)
     with serving(app) as base:
         yield base, app.state.worker

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import tiny_llada2 as T
 from dlm.runtime.errors import ConfigError, WeightError
 from dlm.runtime.models import llada2_moe as L
 from dlm.runtime.models.llada2_moe.model import Gate
 from dlm.verify.llada2_moe import torch_model as R
+from tests.builders import LLADA2_GEOMETRIES, build_llada2, build_llada2_model, llada2_hub_config
 
 torch.set_num_threads(1)
 
@@ -32,10 +32,10 @@ def mlx_model_from_hub(path):
     return model, weights
 
 
-@pytest.fixture(scope="module", params=sorted(T.GEOMETRIES))
+@pytest.fixture(scope="module", params=sorted(LLADA2_GEOMETRIES))
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"llada2_{request.param}")
-    ref = T.build_llada2(path, request.param)
+    ref = build_llada2(path, request.param)
     model, _ = mlx_model_from_hub(path)
     return request.param, ref, model
 
@@ -77,7 +77,7 @@ def test_logits_block_causal_and_cached_match_reference(pair):
 
 def test_router_matches_reference_group_limited():
     """Group-limited routing with a negative-bias expert outside the chosen groups."""
-    _, cfg = T.build_model("base")
+    _, cfg = build_llada2_model("base")
     args = L.ModelArgs.from_config(cfg)
     rc = R.RefConfig.from_dict(cfg)
     gate_t, gate_m = R.Gate(rc), Gate(args)
@@ -104,7 +104,7 @@ def test_router_matches_reference_group_limited():
 
 
 def test_model_args_real_config_values():
-    cfg = T.hub_config("base")
+    cfg = llada2_hub_config("base")
     args = L.ModelArgs.from_config(cfg)
     assert (args.rotary_dim, args.mask_token_id, args.eos_token_ids) == (8, 255, [252])
     assert args.use_bias is False and args.tie_word_embeddings is False
@@ -132,7 +132,7 @@ def test_model_args_real_config_values():
     ],
 )
 def test_model_args_errors(change, message):
-    cfg = T.hub_config("base")
+    cfg = llada2_hub_config("base")
     for k, v in change.items():
         if v is None:
             cfg.pop(k)
@@ -150,7 +150,7 @@ def _meta(state):
 
 
 def test_plan_stacks_experts_and_keeps_expert_bias_float32():
-    model, cfg = T.build_model("base")
+    model, cfg = build_llada2_model("base")
     args = L.ModelArgs.from_config(cfg)
     state = model.state_dict()
     plans = {p.name: p for p in L.plan_weights(args, _meta(state), True)}
@@ -170,7 +170,7 @@ def test_plan_stacks_experts_and_keeps_expert_bias_float32():
 
 
 def test_plan_accepts_merged_expert_layout():
-    model, cfg = T.build_model("dense2")
+    model, cfg = build_llada2_model("dense2")
     args = L.ModelArgs.from_config(cfg)
     meta = _meta(model.state_dict())
     for i in (2, 3):
@@ -195,7 +195,7 @@ def test_plan_accepts_merged_expert_layout():
     ],
 )
 def test_plan_errors_name_the_tensor(edit, message):
-    model, cfg = T.build_model("base")
+    model, cfg = build_llada2_model("base")
     meta = _meta(model.state_dict())
     edit(meta)
     with pytest.raises(WeightError, match=message):
@@ -203,7 +203,7 @@ def test_plan_errors_name_the_tensor(edit, message):
 
 
 def test_plan_ignores_rotary_buffers():
-    model, cfg = T.build_model("flat")
+    model, cfg = build_llada2_model("flat")
     meta = _meta(model.state_dict())
     meta["model.layers.0.attention.rotary_emb.inv_freq"] = ((4,), "f32")
     L.plan_weights(L.ModelArgs.from_config(cfg), meta, True)
@@ -226,7 +226,7 @@ def test_quant_class(path, cls):
 
 
 def test_output_config_drops_remote_code_hooks():
-    cfg = dict(T.hub_config("base"), auto_map={"AutoModel": "modeling_llada2_moe.LLaDA2MoeModel"})
+    cfg = dict(llada2_hub_config("base"), auto_map={"AutoModel": "modeling_llada2_moe.LLaDA2MoeModel"})
     out = L.output_config(cfg, True)
     assert "auto_map" not in out and out["num_experts"] == 16 and "auto_map" in cfg
 
@@ -235,7 +235,7 @@ def test_output_config_drops_remote_code_hooks():
 
 
 def test_sanitize_accepts_mlx_vlm_and_per_expert_layouts(tmp_path):
-    T.build_llada2(tmp_path, "base")
+    build_llada2(tmp_path, "base")
     model, planned = mlx_model_from_hub(tmp_path)
     # mlx-vlm: language_model. prefix, switch_mlp already stacked, expert_bias bf16.
     vlm = {"language_model." + k: v for k, v in planned.items()}

@@ -17,9 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify_helpers import convert, options, record_bundle  # noqa: E402
-
 from dlm.verify.suite import run_parity  # noqa: E402
+from tests.builders import convert_dir, record_bundle, verify_options  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,7 +31,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def good(tiny_dg_dir, tmp_path_factory):
-    return convert(tiny_dg_dir, tmp_path_factory.mktemp("mutants") / "good")
+    return convert_dir(tiny_dg_dir, tmp_path_factory.mktemp("mutants") / "good")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +86,7 @@ def permute_one_expert(t):
                          ids=lambda f: f.__name__)
 def test_converter_bug_fails_logits_check(edit, good, bundle, tmp_path):
     mutant = mutate(good, tmp_path / edit.__name__, edit)
-    report = run_parity(mutant, options(bundle=str(bundle)))
+    report = run_parity(mutant, verify_options(bundle=str(bundle)))
     assert not report.passed
     logits = report.check("logits")
     assert logits.status == "fail", report.table()
@@ -109,7 +108,7 @@ def test_runtime_rope_bug_fails_implementation_check(good, bundle, monkeypatch):
         return mx.array(periods)
 
     monkeypatch.setattr(layers_mod, "make_rope_freqs", off_by_one_frequency)
-    report = run_parity(good, options(bundle=str(bundle)))
+    report = run_parity(good, verify_options(bundle=str(bundle)))
     impl = report.check("implementation")
     assert impl.status == "fail", report.table()
     assert impl.metrics["max_abs"] > 1e-2

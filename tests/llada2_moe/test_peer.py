@@ -18,11 +18,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import tiny_llada2 as T
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
+from tests import PEER
+from tests.builders import build_llada2
 
-PEER = Path(__file__).resolve().parents[1] / ".peer"
 pytestmark = pytest.mark.skipif(not (PEER / "mlx_vlm").is_dir(), reason="mlx-vlm peer not installed in .peer")
 IDS = [list(range(5, 40))]
 
@@ -62,7 +62,7 @@ def dlm_run(model_dir: Path):
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     path = tmp_path_factory.mktemp("l2peer") / "hf"
-    T.build_llada2(path, "base", dtype="bfloat16")
+    build_llada2(path, "base", dtype="bfloat16")
     return path
 
 

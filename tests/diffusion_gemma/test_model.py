@@ -14,15 +14,38 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from runtime_helpers import convert_dir, dequantized_twin, hf_logits, load_hf
 
 from dlm.runtime import api
+from tests.builders import convert_dir, dequantized_twin, load_diffusion_gemma_hf
 
 SHORT = list(range(2, 14))  # 12 tokens < sliding window 16
 LONG = [2] + [(7 * i + 3) % 500 + 5 for i in range(39)]  # 40 tokens > window 16
 CANVAS = [5, 9, 33, 400, 7, 8, 100, 3]
 CANVAS2 = [11, 12, 13, 140, 15, 16, 17, 511]
 TOL = 1e-4
+
+
+def hf_logits(model, prompt: list[int], canvases: list[list[int]], sc_logits=None):
+    """transformers: prefill ``prompt``; encode all but the last of ``canvases`` as commits at
+    their positions; return the decoder logits of the last canvas (numpy [L, V])."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+        ids = torch.tensor([prompt])
+        pos = torch.arange(len(prompt))[None]
+        model.model.encoder(input_ids=ids, cache=cache, position_ids=pos)
+        cur = len(prompt)
+        for c in canvases[:-1]:
+            pos = torch.arange(cur, cur + len(c))[None]
+            model.model.encoder(input_ids=torch.tensor([c]), cache=cache, position_ids=pos)
+            cur += len(c)
+        last = canvases[-1]
+        sc = None if sc_logits is None else torch.tensor(np.asarray(sc_logits))[None]
+        out = model(decoder_input_ids=torch.tensor([last]), cache=cache, self_conditioning_logits=sc,
+                    decoder_position_ids=torch.arange(cur, cur + len(last))[None])
+        return out.logits[0].float().numpy()
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +108,13 @@ def test_sliding_cache_keeps_window_minus_one(loaded):
 
 def test_resaved_config_form(tiny_dg_torch, tmp_path):
     """A checkpoint written by save_pretrained (per_layer_config) loads and matches."""
-    from tiny_checkpoints import build_diffusion_gemma
+    from tests.builders import build_diffusion_gemma
 
     src = tmp_path / "resaved"
     build_diffusion_gemma(src, form="resaved")
     assert "per_layer_config" in json.loads((src / "config.json").read_text())["text_config"]
     model = api.load(convert_dir(src, tmp_path / "mlx"))
-    ref = hf_logits(load_hf(src), SHORT, [CANVAS])
+    ref = hf_logits(load_diffusion_gemma_hf(src), SHORT, [CANVAS])
     assert np.abs(mlx_logits(model, SHORT, [CANVAS]) - ref).max() < TOL
 
 
@@ -106,7 +129,7 @@ def test_bfloat16_runs_on_cpu_within_bf16_noise(tiny_dg_dir, tiny_dg_torch, tmp_
     bf16 = api.load(convert_dir(tiny_dg_dir, tmp_path / "bf16", dtype="bfloat16"))
     assert bf16.model.dtype == mx.bfloat16
     got = mlx_logits(bf16, LONG, [CANVAS, CANVAS2])
-    ref_bf16 = hf_logits(load_hf(tiny_dg_dir, "bfloat16"), LONG, [CANVAS, CANVAS2])
+    ref_bf16 = hf_logits(load_diffusion_gemma_hf(tiny_dg_dir, "bfloat16"), LONG, [CANVAS, CANVAS2])
     ref_f32 = hf_logits(tiny_dg_torch, LONG, [CANVAS, CANVAS2])
     noise = np.abs(ref_bf16 - ref_f32).max()  # what bf16 rounding alone does
     assert 0 < np.abs(got - ref_bf16).max() <= 3 * noise

@@ -4,26 +4,26 @@ import numpy as np
 import pytest
 import torch
 
-import tiny_llada2 as T
 from dlm.runtime.models.llada2_moe import generate as G
 from dlm.runtime.errors import GenerationError
 from dlm.runtime.loader import load
 from dlm.verify.llada2_moe import torch_model as R
+from tests.builders import LLADA2_EOS_ID, LLADA2_GEOMETRIES, LLADA2_MASK_ID, LLADA2_ROLE_END_ID, build_llada2
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module", params=sorted(T.GEOMETRIES))
+@pytest.fixture(scope="module", params=sorted(LLADA2_GEOMETRIES))
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"gen_{request.param}")
-    ref = T.build_llada2(path, request.param)
+    ref = build_llada2(path, request.param)
     return ref, load(path)
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     path = tmp_path_factory.mktemp("gen_base")
-    ref = T.build_llada2(path, "base")
+    ref = build_llada2(path, "base")
     return ref, load(path)
 
 
@@ -32,7 +32,7 @@ def prompt(n, seed=0):
 
 
 def settings(**kw):
-    base = dict(mask_token_id=T.MASK_ID, eos_token_ids=(T.EOS_ID,), editing_threshold=None,
+    base = dict(mask_token_id=LLADA2_MASK_ID, eos_token_ids=(LLADA2_EOS_ID,), editing_threshold=None,
                 stop_on_role_end=False)
     base.update(kw)
     return G.Settings(**base)
@@ -45,12 +45,12 @@ def run_mlx(loaded, ids, s):
     return tokens, s.trace, events
 
 
-def run_ref(ref, ids, *, gen, bl, steps, thr, temp=0.0, hub=False, seed=None, eos=(T.EOS_ID,),
+def run_ref(ref, ids, *, gen, bl, steps, thr, temp=0.0, hub=False, seed=None, eos=(LLADA2_EOS_ID,),
             early_stop=False, **kw):
     trace = []
     out = R.generate(
         ref, torch.tensor(ids), temperature=temp, block_length=bl, steps=steps, gen_length=gen,
-        threshold=thr, eos_id=list(eos), mask_id=T.MASK_ID, hub_sampler=hub,
+        threshold=thr, eos_id=list(eos), mask_id=LLADA2_MASK_ID, hub_sampler=hub,
         uniforms=G.UniformStream(seed) if seed is not None else None, suppress_mask=True,
         trace=trace, early_stop=early_stop, **kw,
     ).tolist()
@@ -130,7 +130,7 @@ def test_no_mask_token_in_any_output(base, steps):
     ids = prompt(7, steps)
     s = settings(max_tokens=61, block_length=32, steps=steps, threshold=0.95)
     got, _, events = run_mlx(loaded, ids, s)
-    assert len(got) == 61 and T.MASK_ID not in got
+    assert len(got) == 61 and LLADA2_MASK_ID not in got
     assert all(n <= min(steps, 61) for n in events[-1].stats.steps_per_block)
     want, _ = run_ref(ref, ids, gen=61, bl=32, steps=steps, thr=0.95)
     assert got == want
@@ -142,12 +142,12 @@ def test_mask_token_is_never_sampled(base):
     import mlx.core as mx
 
     head = loaded.model.lm_head.weight
-    loaded.model.lm_head.weight = mx.concatenate([head[: T.MASK_ID], head[T.MASK_ID:] * 0 + 5.0])
+    loaded.model.lm_head.weight = mx.concatenate([head[: LLADA2_MASK_ID], head[LLADA2_MASK_ID:] * 0 + 5.0])
     try:
         got, _, _ = run_mlx(loaded, prompt(5), settings(max_tokens=20, block_length=8, steps=2))
     finally:
         loaded.model.lm_head.weight = head
-    assert len(got) == 20 and T.MASK_ID not in got
+    assert len(got) == 20 and LLADA2_MASK_ID not in got
 
 
 @pytest.mark.parametrize("temp, top_p, top_k", [(1.0, None, None), (0.7, 0.9, None), (1.3, None, 20)])
@@ -199,7 +199,7 @@ def test_llada21_editing_matches_reference(tiny, edit_thr):
                  max_post_steps=4)
     got, got_trace, events = run_mlx(loaded, ids, s)
     assert got == want and got_trace == want_trace
-    assert T.MASK_ID not in got and len(got) == 40
+    assert LLADA2_MASK_ID not in got and len(got) == 40
 
 
 def test_editing_defaults_on_for_llada21_only(base, tmp_path):
@@ -233,7 +233,7 @@ def test_text_is_streamed_block_by_block_and_role_end_stops(base):
     text = "".join(e.text for e in events)
     assert text == loaded.tokenizer.decode([t for e in events for t in e.token_ids], skip_special_tokens=True)
     stop = G.stop_ids(loaded, settings(stop_on_role_end=True))
-    assert stop == {T.EOS_ID, T.ROLE_END_ID}
+    assert stop == {LLADA2_EOS_ID, LLADA2_ROLE_END_ID}
     tokens = [t for e in events[:-1] for t in e.token_ids]
     cut = next((i for i, t in enumerate(free) if t in stop), len(free))
     assert tokens == free[:cut]

@@ -6,10 +6,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import tiny_llada2 as T
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime.cli import main
 from dlm.verify.llada2_moe import torch_model as R
+from tests.builders import LLADA2_EOS_ID, LLADA2_MASK_ID, LLADA2_ROLE_END_ID, build_llada2
 
 torch.set_num_threads(1)
 
@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("l2cli")
-    ref = T.build_llada2(root / "hf", "base")
+    ref = build_llada2(root / "hf", "base")
     convert(ConvertOptions(source=str(root / "hf"), output=str(root / "mlx"), progress=False),
             echo=lambda s: None)
     return root / "mlx", ref
@@ -35,9 +35,9 @@ def test_generate_json_matches_reference(converted):
     assert r.exit_code == 0, r.output
     out = json.loads(r.output.strip().splitlines()[-1])
     want = R.generate(ref, torch.tensor(ids), block_length=8, steps=4, gen_length=30, threshold=0.9,
-                      eos_id=[T.EOS_ID, T.ROLE_END_ID], mask_id=T.MASK_ID, hub_sampler=False,
+                      eos_id=[LLADA2_EOS_ID, LLADA2_ROLE_END_ID], mask_id=LLADA2_MASK_ID, hub_sampler=False,
                       suppress_mask=True).tolist()
-    assert out["token_ids"] == [t for t in want if t not in (T.EOS_ID, T.ROLE_END_ID)]
+    assert out["token_ids"] == [t for t in want if t not in (LLADA2_EOS_ID, LLADA2_ROLE_END_ID)]
     assert all(n <= 4 for n in out["steps_per_canvas"])
     stats = out["stats"]
     assert stats["forwards"] == sum(out["steps_per_canvas"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +14,7 @@ from dlm.runtime import api
 from dlm.runtime.errors import ConfigError, UnsupportedModelError, WeightError
 from dlm.runtime.loader import apply_quantization
 from dlm.runtime.models.diffusion_gemma import ModelArgs, Model, sanitize
+from tests import PEER
 
 PROMPT, CANVAS = list(range(2, 14)), [5, 9, 33, 400, 7, 8, 100, 3]
 
@@ -184,8 +184,6 @@ def test_encode_prompt(tiny_dg_mlx_dir):
     assert raw == [2] + tok.encode("hi", add_special_tokens=False)
 
 
-PEER = Path(__file__).resolve().parents[1] / ".peer"
-
 
 @pytest.mark.skipif(not (PEER / "mlx_vlm").is_dir(), reason="mlx-vlm 0.7.10 not installed in .peer/")
 def test_mlx_vlm_conversion_loads_as_is(tiny_dg_dir, tiny_dg_torch, tmp_path):
@@ -196,7 +194,7 @@ def test_mlx_vlm_conversion_loads_as_is(tiny_dg_dir, tiny_dg_torch, tmp_path):
     import subprocess
     import sys
 
-    from runtime_helpers import convert_dir
+    from tests.builders import convert_dir
 
     out = tmp_path / "vlm-q4"
     env = {**os.environ, "PYTHONPATH": str(PEER), "HF_HUB_OFFLINE": "1"}

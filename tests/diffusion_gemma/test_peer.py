@@ -10,16 +10,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from convert_helpers import load_output
 
 from dlm.convert.pipeline import ConvertOptions, convert
+from tests import PEER
+from tests.builders import load_output
 
-PEER = Path(__file__).resolve().parents[1] / ".peer"
 pytestmark = pytest.mark.skipif(not (PEER / "mlx_vlm").is_dir(), reason="mlx-vlm peer not installed in .peer")
 
 

@@ -11,10 +11,10 @@ import json
 
 import numpy as np
 import pytest
-from runtime_helpers import convert_dir, load_hf
 
 from dlm.runtime import api
 from dlm.runtime.errors import GenerationError
+from tests.builders import DG_GENERATION, build_diffusion_gemma, convert_dir, load_diffusion_gemma_hf
 
 V, L = 512, 8
 SHORT = list(range(2, 14))
@@ -121,7 +121,6 @@ def stable_model(tmp_path_factory):
     pulled towards a common vector), so the stable-and-confident rule fires on
     some canvases and not on others."""
     import torch
-    from tiny_checkpoints import GENERATION, build_diffusion_gemma
 
     root = tmp_path_factory.mktemp("stable_dg")
     model = build_diffusion_gemma(root / "hf", form="hub")
@@ -134,8 +133,8 @@ def stable_model(tmp_path_factory):
     cfg["text_config"].pop("per_layer_config", None)
     cfg["text_config"].update(global_head_dim=32, num_global_key_value_heads=1)
     (root / "hf" / "config.json").write_text(json.dumps(cfg))
-    (root / "hf" / "generation_config.json").write_text(json.dumps(GENERATION))
-    return load_hf(root / "hf"), api.load(convert_dir(root / "hf", root / "mlx"))
+    (root / "hf" / "generation_config.json").write_text(json.dumps(DG_GENERATION))
+    return load_diffusion_gemma_hf(root / "hf"), api.load(convert_dir(root / "hf", root / "mlx"))
 
 
 def test_debug_canvas_early_stops_and_eos(stable_model):

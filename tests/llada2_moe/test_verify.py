@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-import tiny_llada2 as T
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
 from dlm.runtime.models.llada2_moe import to_hf
@@ -15,6 +14,7 @@ from dlm.verify import protocol
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.suite import Options, run_parity
 from dlm.verify.weights import dequantized_weights
+from tests.builders import LLADA2_MASK_ID, build_llada2, write_llada2_remote_code
 
 torch.set_num_threads(1)
 
@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("l2verify")
-    T.build_llada2(root / "hf", "base")
+    build_llada2(root / "hf", "base")
     convert(ConvertOptions(source=str(root / "hf"), output=str(root / "mlx"), progress=False), echo=lambda s: None)
     (root / "prompts.txt").write_text('{"ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]}\nSort 3 1 2\n')
     return root
@@ -47,7 +47,7 @@ def test_logit_cases_mlx_match_reference(dirs):
         assert np.abs(got - want).max() < 1e-4, case.name
     # The "next" case: prompt blocks, one more committed block, then the active one.
     nxt = next(c for c in cases if c.name == "p1.next")
-    assert len(nxt.arrays["window"]) == 128 and (nxt.arrays["window"][-32:] == T.MASK_ID).sum() == 16
+    assert len(nxt.arrays["window"]) == 128 and (nxt.arrays["window"][-32:] == LLADA2_MASK_ID).sum() == 16
 
 
 def test_commit_streams_identical_greedy_and_seeded(dirs):
@@ -102,8 +102,8 @@ def test_trust_remote_code_uses_the_checkpoints_own_code(tmp_path):
     """Hub-style modeling code (4.x imports, rotary buffer left to _init_weights)
     runs under transformers 5 only through the shims; it is used only with
     trust_remote_code. Its logits carry a +3 offset to tell the two apart."""
-    ref_model = T.build_llada2(tmp_path, "flat")
-    T.write_remote_code(tmp_path, logit_offset=3.0)
+    ref_model = build_llada2(tmp_path, "flat")
+    write_llada2_remote_code(tmp_path, logit_offset=3.0)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     own = A.load_reference(tmp_path)
     assert own.notes == [] and torch.equal(own.model(ids), ref_model(ids))

@@ -223,11 +223,12 @@ def test_cancel_before_a_step():
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from tiny_checkpoints import build_tokenizer
     from transformers import AutoTokenizer
 
+    from tests.builders import build_diffusion_gemma_tokenizer
+
     out = tmp_path_factory.mktemp("tok")
-    build_tokenizer(512, out)
+    build_diffusion_gemma_tokenizer(512, out)
     return AutoTokenizer.from_pretrained(str(out))
 
 

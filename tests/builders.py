@@ -1,0 +1,583 @@
+"""Tiny checkpoints and tokenizers in the exact Hub layout, built locally (tests never download).
+
+The one place that builds what the tests run on, for every family:
+
+* DiffusionGemma checkpoints come from transformers' own classes (so they are
+  the real reference), with a character-level tokenizer carrying the Gemma 4
+  special-token ids and a Gemma-4-style chat template;
+* LLaDA2.0 MoE checkpoints come from dlm's independent PyTorch reference
+  (dlm.verify.llada2_moe.torch_model), whose module tree has the hub names, with
+  a character-level tokenizer carrying LLaDA's special tokens at scaled-down ids
+  (eos/pad ``<|endoftext|>`` 252 <-> 156892, ``<|mask|>`` 255 <-> 156895) and a
+  LLaDA2-style chat template (``<role>HUMAN</role>...<|role_end|>``), optionally
+  with hub-style remote code;
+* what tests derive from them: a copy in the Hugging Face cache layout, a
+  resharded copy, a dlm-convert output, a dequantized float twin of a quantized
+  output, a dlm-verify reference bundle; and reading their tensors back.
+
+The demo training scripts (scripts/train_demo_*.py) build their tokenizers with
+the same functions, so the bundled demo checkpoints share these vocabularies.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+# ---------------------------------------------------------------------------
+# Character-level tokenizers
+# ---------------------------------------------------------------------------
+
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?+-*/=()[]{}<>'\"\n_#@%&|"
+
+
+def _build_char_tokenizer(out_dir: str | Path, vocab_size: int, special_tokens: dict[int, str],
+                          chat_template: str, add_bos_token: bool | None = None, **named_tokens) -> None:
+    """Write tokenizer.json / tokenizer_config.json / chat_template.jinja for a WordLevel
+    tokenizer over single characters: the special tokens at their ids, then CHARS on the
+    free ids, then ``<unusedN>`` for the rest (so every id decodes to something).
+    ``named_tokens`` (bos_token=..., eos_token=...) give special tokens their roles; the
+    other special tokens become additional special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {tok: i for i, tok in special_tokens.items()}
+    free = (i for i in range(vocab_size) if i not in special_tokens)
+    for ch in CHARS:
+        vocab[ch] = next(free)
+    for i in free:
+        vocab[f"<unused{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    named = set(named_tokens.values())
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, **named_tokens,
+        additional_special_tokens=[t for _, t in sorted(special_tokens.items()) if t not in named],
+    )
+    fast.chat_template = chat_template
+    if add_bos_token is not None:
+        fast.add_bos_token = add_bos_token
+    fast.save_pretrained(str(out_dir))
+
+
+def _save_shards(tensors: dict, out_dir: Path, shards: int = 1) -> None:
+    """Write torch tensors as save_pretrained does: one model.safetensors, or
+    ``shards`` files (in the order of ``tensors``) and an index."""
+    from safetensors.torch import save_file
+
+    if shards == 1:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map, per = {}, -(-len(names) // shards)
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in names[s * per : (s + 1) * per]}
+        save_file(part, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+# ---------------------------------------------------------------------------
+# DiffusionGemma
+# ---------------------------------------------------------------------------
+
+# Gemma 4 special-token ids that dlm relies on (reference §4.10).
+DG_SPECIAL_TOKENS = {
+    0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>",
+    48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>", 52: '<|"|>',
+    98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>", 106: "<turn|>",
+}
+DG_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set msgs = messages %}"
+    "{% if enable_thinking is defined and enable_thinking %}<|turn>system\n<|think|>"
+    "{% if msgs and msgs[0]['role'] == 'system' %}{{ msgs[0]['content'] }}{% set msgs = msgs[1:] %}{% endif %}"
+    "<turn|>\n"
+    "{% elif msgs and msgs[0]['role'] == 'system' %}<|turn>system\n{{ msgs[0]['content'] }}<turn|>\n"
+    "{% set msgs = msgs[1:] %}{% endif %}"
+    "{% for m in msgs %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+DG_TEXT = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+    num_global_key_value_heads=1, sliding_window=16, num_experts=4, top_k_experts=2,
+    moe_intermediate_size=32, use_bidirectional_attention="vision", eos_token_id=[1, 106],
+    max_position_embeddings=4096,
+)
+DG_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+    position_embedding_size=64,
+)
+DG_GENERATION = {
+    "confidence_threshold": 0.005, "eos_token_id": [1, 106, 50], "max_denoising_steps": 48,
+    "max_new_tokens": 256, "pad_token_id": 0,
+    "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
+    "stability_threshold": 1, "t_max": 0.8, "t_min": 0.4,
+}
+
+
+def build_diffusion_gemma_tokenizer(vocab_size: int, out_dir: str | Path) -> None:
+    """The Gemma-4-style character tokenizer (no BOS added on encode; the template adds it)."""
+    _build_char_tokenizer(out_dir, vocab_size, DG_SPECIAL_TOKENS, DG_CHAT_TEMPLATE, add_bos_token=False,
+                          bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def build_diffusion_gemma(
+    out_dir: str | Path,
+    *,
+    form: str = "hub",
+    vision: bool = False,
+    seed: int = 0,
+    canvas_length: int = 8,
+    text_overrides: dict | None = None,
+    dtype: str = "float32",
+):
+    """Build a tiny random DiffusionGemma in the hub layout; returns the torch model.
+
+    form="hub" writes the released flat keys (global_head_dim,
+    num_global_key_value_heads); form="resaved" keeps what save_pretrained
+    writes (per_layer_config). Unit parameters (norms, router scales,
+    layer scalars) are perturbed so that bugs which swap them show.
+    """
+    import torch
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    out_dir = Path(out_dir)
+    text = dict(DG_TEXT, **(text_overrides or {}))
+    vis = dict(DG_VISION, num_hidden_layers=2 if vision else 1, standardize=vision)
+    config = DiffusionGemmaConfig(
+        text_config=text, vision_config=vis, canvas_length=canvas_length,
+        image_token_id=500, boi_token_id=501, eoi_token_id=502, eos_token_id=[1, 106],
+    )
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "router.scale", "per_expert_scale", "std_scale")):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith("std_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+            elif name.endswith(("std_bias", "std_scale")):
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out_dir))
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if form == "hub":
+        tc = cfg["text_config"]
+        tc.pop("per_layer_config", None)
+        tc["global_head_dim"] = text["global_head_dim"]
+        tc["num_global_key_value_heads"] = text["num_global_key_value_heads"]
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    (out_dir / "generation_config.json").write_text(json.dumps(DG_GENERATION, indent=2))
+    build_diffusion_gemma_tokenizer(text["vocab_size"], out_dir)
+    return model
+
+
+def load_diffusion_gemma_hf(hf_dir, dtype: str = "float32"):
+    """A DiffusionGemma checkpoint loaded by transformers (eval, one torch thread): the reference."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    torch.set_num_threads(1)
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(hf_dir), dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------
+# LLaDA2.0 MoE
+# ---------------------------------------------------------------------------
+
+LLADA2_EOS_ID = 252
+LLADA2_ROLE_END_ID = 253
+LLADA2_MASK_ID = 255
+LLADA2_SPECIAL_TOKENS = {
+    248: "<unk>", 249: "<|startoftext|>", 250: "<role>", 251: "</role>",
+    LLADA2_EOS_ID: "<|endoftext|>", LLADA2_ROLE_END_ID: "<|role_end|>", 254: "<|arithmetic_start|>",
+    LLADA2_MASK_ID: "<|mask|>",
+}
+LLADA2_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- set role = {'user': 'HUMAN', 'assistant': 'ASSISTANT', 'system': 'SYSTEM'}"
+    ".get(m['role'], m['role'] | upper) -%}"
+    "<role>{{ role }}</role>{{ m['content'] }}<|role_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<role>ASSISTANT</role>{%- endif -%}"
+)
+
+_LLADA2_BASE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=64,
+    first_k_dense_replace=1, num_experts=16, num_experts_per_tok=4, num_shared_experts=1,
+    n_group=4, topk_group=2, routed_scaling_factor=2.5, rope_theta=600000.0,
+    partial_rotary_factor=0.5, rms_norm_eps=1e-6,
+)
+# Several geometries: group-limited routing, >1 dense layer, no groups / top-1 /
+# no shared expert, head_dim != hidden/heads with a quarter rotary.
+LLADA2_GEOMETRIES = {
+    "base": _LLADA2_BASE,
+    "dense2": dict(
+        _LLADA2_BASE, num_hidden_layers=4, first_k_dense_replace=2, num_key_value_heads=1,
+        num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, num_shared_experts=2,
+    ),
+    "flat": dict(
+        _LLADA2_BASE, num_hidden_layers=2, first_k_dense_replace=0, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, num_experts=8,
+        num_experts_per_tok=1, n_group=1, topk_group=1, num_shared_experts=0,
+    ),
+}
+
+
+def llada2_hub_config(geometry: str = "base", **overrides) -> dict:
+    """config.json as the hub ships it (plus mask_token_id for the tiny ids)."""
+    cfg = dict(
+        architectures=["LLaDA2MoeModelLM"], model_type="llada2_moe",
+        hidden_act="silu", use_qk_norm=True, use_qkv_bias=False, use_bias=False,
+        norm_head=False, norm_softmax=False, tie_word_embeddings=False,
+        score_function="sigmoid", norm_topk_prob=True, moe_router_enable_expert_bias=True,
+        router_dtype="fp32", rope_scaling=None, rotary_dim=None, max_position_embeddings=4096,
+        sliding_window=4096, use_sliding_window=False, max_window_layers=28,
+        attention_dropout=0.0, embedding_dropout=0.0, output_dropout=0.0,
+        initializer_range=0.02, use_cache=False, output_router_logits=False,
+        pad_token_id=LLADA2_EOS_ID, mask_token_id=LLADA2_MASK_ID, dtype="float32",
+    )
+    cfg.update(LLADA2_GEOMETRIES[geometry])
+    cfg.update(overrides)
+    # Informational in the hub config (the hub code derives it from the partial factor).
+    cfg.setdefault("rotary_dim", None)
+    if "rotary_dim" not in overrides:
+        cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
+    return cfg
+
+
+def build_llada2_tokenizer(vocab_size: int, out_dir: str | Path) -> None:
+    """The LLaDA-2-style character tokenizer (eos = pad = <|endoftext|>, mask = <|mask|>)."""
+    _build_char_tokenizer(out_dir, vocab_size, LLADA2_SPECIAL_TOKENS, LLADA2_CHAT_TEMPLATE,
+                          eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>",
+                          mask_token="<|mask|>")
+
+
+def build_llada2_model(geometry: str = "base", seed: int = 1234, **overrides):
+    """(reference model in float32, hub config dict) with re-drawn parameters."""
+    import torch
+
+    from dlm.verify.llada2_moe.torch_model import LLaDA2Reference, RefConfig
+
+    cfg = llada2_hub_config(geometry, **overrides)
+    model = LLaDA2Reference(RefConfig.from_dict(cfg)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.2 * (torch.rand(p.shape, generator=gen) - 0.5))
+            elif name.endswith("expert_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif name == "lm_head.weight":
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.9)
+            elif name == "model.word_embeddings.weight":
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
+    return model, cfg
+
+
+def build_llada2(
+    out_dir: str | Path,
+    geometry: str = "base",
+    *,
+    seed: int = 1234,
+    dtype: str = "float32",
+    layout: str = "hub",
+    shards: int = 1,
+    generation_config: dict | None = None,
+    **overrides,
+):
+    """Write a tiny llada2_moe checkpoint; returns the float32 reference model.
+
+    layout="hub": per-expert tensors (the published layout);
+    layout="merged": dFactory/VeOmni stacked experts ``mlp.experts.{gate,up,down}_proj`` [E, out, in].
+    """
+    import torch
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, cfg = build_llada2_model(geometry, seed, **overrides)
+    cfg["dtype"] = dtype
+    state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
+    if layout == "merged":
+        for i in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}.mlp.experts."
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                keys = [f"{p}{e}.{proj}.weight" for e in range(cfg["num_experts"])]
+                state[p + proj] = torch.stack([state.pop(k) for k in keys])
+    elif layout != "hub":
+        raise ValueError(f"unknown layout {layout!r}")
+    _save_shards(state, out_dir, shards)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    gc = generation_config if generation_config is not None else {
+        "eos_token_id": LLADA2_EOS_ID, "pad_token_id": LLADA2_EOS_ID,
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(gc, indent=2))
+    build_llada2_tokenizer(cfg["vocab_size"], out_dir)
+    return model
+
+
+# A stand-in for the hub's remote code, written the way the 2.0 hub files are
+# (4.x-only imports, a non-persistent rotary buffer that _init_weights skips, a
+# list _tied_weights_keys), so that dlm-verify --trust-remote-code has to run it
+# through its transformers-5 compatibility shims. ``test_logit_offset`` in the
+# config shifts its logits so a test can tell which reference ran.
+_LLADA2_REMOTE_CONFIG = '''
+from transformers import PretrainedConfig
+
+
+class LLaDA2MoeConfig(PretrainedConfig):
+    model_type = "llada2_moe"
+
+    def __init__(self, num_key_value_heads=0, head_dim=None, partial_rotary_factor=0.5,
+                 rope_theta=10000.0, test_logit_offset=0.0, **kwargs):
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.partial_rotary_factor = partial_rotary_factor
+        self.rope_theta = rope_theta
+        self.test_logit_offset = test_logit_offset
+        super().__init__(**kwargs)
+'''
+_LLADA2_REMOTE_MODEL = '''
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask_for_sdpa
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils.import_utils import is_torch_fx_available
+
+from dlm.verify.llada2_moe.torch_model import Backbone, RefConfig
+
+from .configuration_llada2_moe import LLaDA2MoeConfig
+
+assert not is_torch_fx_available() or True
+
+
+class LLaDA2MoeRotaryEmbedding(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS["default"](config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions, dtype):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class LLaDA2MoeModelLM(PreTrainedModel):
+    config_class = LLaDA2MoeConfig
+    base_model_prefix = "model"
+    _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Backbone(RefConfig.from_dict(config.to_dict()))
+        self.model.rotary_emb = LLaDA2MoeRotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(0.0, 0.02)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        h = self.model.word_embeddings(input_ids)
+        mask = _prepare_4d_causal_attention_mask_for_sdpa(attention_mask, input_ids.shape, h, 0)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1])
+        cos, sin = self.model.rotary_emb(position_ids.reshape(-1), h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, mask)
+        logits = self.lm_head(self.model.norm(h)).float() + self.config.test_logit_offset
+        return CausalLMOutputWithPast(logits=logits)
+'''
+
+
+def write_llada2_remote_code(out_dir: str | Path, logit_offset: float = 0.0) -> None:
+    """Ship hub-style modeling code with a tiny checkpoint (auto_map in config.json)."""
+    out_dir = Path(out_dir)
+    (out_dir / "configuration_llada2_moe.py").write_text(_LLADA2_REMOTE_CONFIG)
+    (out_dir / "modeling_llada2_moe.py").write_text(_LLADA2_REMOTE_MODEL)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["auto_map"] = {
+        "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+        "AutoModel": "modeling_llada2_moe.LLaDA2MoeModelLM",
+        "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+    }
+    cfg["test_logit_offset"] = logit_offset
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+# ---------------------------------------------------------------------------
+# Derived checkpoints: hub cache, copies, reshards, conversions, float twins
+# ---------------------------------------------------------------------------
+
+
+def install_in_hf_cache(src_dir: str | Path, cache_dir: str | Path, repo_id: str,
+                        revision: str = "0" * 40) -> Path:
+    """Lay a local checkpoint out as huggingface_hub's cache does (hub/models--org--name)."""
+    src_dir, cache_dir = Path(src_dir), Path(cache_dir)
+    repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / revision
+    snap.mkdir(parents=True, exist_ok=True)
+    for f in src_dir.iterdir():
+        if f.is_file():
+            shutil.copy2(f, snap / f.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snap
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint directory that a test may break."""
+    shutil.copytree(src, dst)
+    return dst
+
+
+def reshard(src: Path, dst: Path, n_shards: int) -> Path:
+    """Split a one-file checkpoint into n shards (names sorted) with an index, as save_pretrained does."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = source_tensors(src)
+    _save_shards({n: tensors[n].contiguous() for n in sorted(tensors)}, Path(dst), n_shards)
+    return dst
+
+
+def convert_dir(src, out, **options) -> Path:
+    """dlm-convert ``src`` into ``out`` (ConvertOptions keywords: dtype, quantize, q_bits, q_mode, recipe, ...)."""
+    from dlm.convert.pipeline import ConvertOptions, convert
+
+    convert(ConvertOptions(source=str(src), output=str(out), progress=False, **options), echo=lambda _: None)
+    return Path(out)
+
+
+def dequantized_twin(src_dir, out_dir) -> Path:
+    """A float copy of a quantized MLX dir with every quantized tensor dequantized."""
+    import mlx.core as mx
+
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    shutil.copytree(src_dir, out_dir)
+    config = json.loads((src_dir / "config.json").read_text())
+    q = config.pop("quantization")
+    config.pop("quantization_config", None)
+    weights = mx.load(str(src_dir / "model.safetensors"))
+    out = {}
+    for name, value in weights.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is not None and f"{base}.scales" in weights:
+            o = q.get(base) if isinstance(q.get(base), dict) else {}
+            mode = o.get("mode", q.get("mode", "affine")) if o else q.get("mode", "affine")
+            value = mx.dequantize(value, weights[f"{base}.scales"], weights.get(f"{base}.biases"),
+                                  group_size=o.get("group_size", q.get("group_size")),
+                                  bits=o.get("bits", q.get("bits")), mode=mode)
+            scales_dtype = weights[f"{base}.scales"].dtype
+            if mx.issubdtype(scales_dtype, mx.floating):
+                value = value.astype(scales_dtype)
+        out[name] = value
+    for f in out_dir.glob("*.safetensors"):
+        f.unlink()
+    mx.save_safetensors(str(out_dir / "model.safetensors"), out, metadata={"format": "mlx"})
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in sorted(out)}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out_dir
+
+
+# ---------------------------------------------------------------------------
+# dlm-verify on tiny checkpoints
+# ---------------------------------------------------------------------------
+
+# Drift thresholds are meant for real checkpoints; a random tiny model is
+# chaotic (near-uniform logits, routing flips), so they are informational here.
+TINY_DRIFT = {"drift": {"kl_mean": None, "top1": None, "commit_match": None, "steps_ratio": None}}
+FAST_VERIFY = dict(canvases=2, steps=8, stream_prompts=1, progress=False)
+
+
+def verify_options(**kw):
+    """dlm-verify Options for a tiny checkpoint: few canvases and steps, drift informational."""
+    from dlm.verify.suite import Options
+
+    return Options(**{**FAST_VERIFY, "thresholds": TINY_DRIFT, **kw})
+
+
+def record_bundle(reference: Path, out: Path, **kw) -> Path:
+    """Record a dlm-verify reference bundle of ``reference`` into ``out``."""
+    from dlm.verify import bundle as B
+    from dlm.verify.suite import Options, record
+
+    data = record(str(reference), Options(reference=str(reference), **{**FAST_VERIFY, **kw}))
+    return B.save(data, out)
+
+
+# ---------------------------------------------------------------------------
+# Reading checkpoints back
+# ---------------------------------------------------------------------------
+
+
+def source_tensors(directory: Path) -> dict:
+    """Every tensor of an HF checkpoint as a torch tensor (safetensors' own loader, not dlm's)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def load_output(directory: Path) -> dict[str, mx.array]:
+    """All tensors of a converted model, through its index (as MLX loaders do)."""
+    import mlx.core as mx
+
+    index = json.loads((Path(directory) / "model.safetensors.index.json").read_text())
+    out: dict[str, mx.array] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        out.update(mx.load(str(Path(directory) / f)))
+    assert set(out) == set(index["weight_map"]), "index and shards disagree"
+    return out
+
+
+def bits_of(t) -> np.ndarray:
+    """Raw bits of a torch float tensor, for bit-identity checks."""
+    import torch
+
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype]
+    return t.contiguous().view(view).numpy()
+
+
+def mx_bits(a: mx.array) -> np.ndarray:
+    """Raw bits of an MLX float array, for bit-identity checks."""
+    import mlx.core as mx
+    import numpy as np
+
+    view = {mx.float32: mx.int32, mx.bfloat16: mx.int16, mx.float16: mx.int16}[a.dtype]
+    return np.array(a.view(view))
+
+
+def leftovers(parent: Path, out: Path) -> list[str]:
+    """Anything a failed conversion left next to (or at) ``out``."""
+    return [p.name for p in Path(parent).iterdir()
+            if p.name == out.name or p.name.startswith(f".{out.name}.dlm-")]

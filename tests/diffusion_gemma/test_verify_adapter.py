@@ -1,0 +1,82 @@
+"""dlm-verify's DiffusionGemma adapter: the debug-canvas harness around
+transformers' generate, self-conditioning inputs, and its registry entry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dlm.verify.diffusion_gemma import adapter as R  # noqa: E402
+from dlm.verify.protocol import check_adapter  # noqa: E402
+
+PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_dg_dir):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield R.load_reference(tiny_dg_dir)
+    torch.set_num_threads(n)
+
+
+# -- the debug canvas around transformers' own generate -----------------------
+
+
+def test_debug_canvas_replaces_every_draw_in_order(ref):
+    """Canvas init is pattern 0, step k's renoise is pattern k (§4.7 order), the
+    sample is the argmax; the global torch seed no longer matters."""
+    settings = R.stream_settings(ref.config, ref.generation_config, blocks=1, steps=3)
+    L, V = R._canvas_length(ref.config), R._vocab(ref.config)
+    canvases, argmaxes = [], []
+    real = ref.model.forward
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        canvases.append(kwargs["decoder_input_ids"][0].tolist())
+        argmaxes.append(out.logits[0].argmax(-1).tolist())
+        return out
+
+    ref.model.forward = spy
+    try:
+        torch.manual_seed(1)
+        a = R.reference_commit_stream(ref, PROMPT, settings)
+    finally:
+        del ref.model.forward
+    torch.manual_seed(2)
+    b = R.reference_commit_stream(ref, PROMPT, settings)
+    assert a.tokens == b.tokens and a.steps_per_block == b.steps_per_block == [3]
+    assert canvases[0] == R.debug_pattern(0, L, V).tolist()
+    # Step 2's canvas: accepted positions hold step 1's argmax, the rest pattern 1.
+    pattern1 = R.debug_pattern(1, L, V).tolist()
+    kept = [i for i in range(L) if canvases[1][i] != pattern1[i]]
+    assert kept and all(canvases[1][i] == argmaxes[0][i] for i in kept)
+    assert len(kept) < L  # the random tiny model accepts few tokens per step
+    # The commit is the last step's argmax, and the trace recorded it.
+    assert a.blocks[0].tokens == argmaxes[-1]
+    np.testing.assert_array_equal(a.blocks[0].step_argmax[-1], argmaxes[-1])
+    assert torch.randint(0, 5, (3,)).shape == (3,)  # the patch is gone
+
+
+def test_self_conditioning_inputs_keep_top_probabilities():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
+    arrays = R.sc_inputs(logits, temperature=0.8, k=16)
+    dense = R.dense_sc(arrays, 300)
+    x = logits.astype(np.float64) / 0.8
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    q = np.exp(dense - dense.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    ids = arrays["sc_ids"]
+    np.testing.assert_allclose(np.take_along_axis(q, ids, -1), np.take_along_axis(p, ids, -1), rtol=1e-5)
+
+
+def test_adapter_is_found_through_the_registry():
+    from dlm.runtime.registry import family_for_config
+
+    family = family_for_config({"model_type": "diffusion_gemma"})
+    assert family.reference() is R
+    check_adapter(R)
