@@ -305,10 +305,8 @@ class _Server:
         self.defaults = {k: v for k, v in defaults.items() if v is not None}
         self.model_id = model_id
         self.max_body_bytes = max_body_bytes
-        text_only = getattr(getattr(loaded, "args", None), "text_only", None)
-        self.caps = ModelCaps(family=getattr(getattr(loaded, "family", None), "name", "this"),
-                              text_only=True if text_only is None else bool(text_only))
-        self.context = getattr(getattr(loaded, "args", None), "max_position_embeddings", None)
+        self.caps = ModelCaps(family=loaded.family.title, text_only=loaded.args.text_only)
+        self.context = loaded.args.max_position_embeddings
         # Request threads tokenize one at a time (a fast tokenizer mutated from two
         # threads at once raises "Already borrowed").
         self.tokenizer_lock = threading.Lock()

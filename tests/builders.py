@@ -11,6 +11,8 @@ The one place that builds what the tests run on, for every family:
   (eos/pad ``<|endoftext|>`` 252 <-> 156892, ``<|mask|>`` 255 <-> 156895) and a
   LLaDA2-style chat template (``<role>HUMAN</role>...<|role_end|>``), optionally
   with hub-style remote code;
+* ``FAMILY_KITS``: one entry per registered family, which the family
+  conformance suite (tests/test_family_conformance.py) runs on;
 * what tests derive from them: a copy in the Hugging Face cache layout, a
   resharded copy, a dlm-convert output, a dequantized float twin of a quantized
   output, a dlm-verify reference bundle; and reading their tensors back.
@@ -21,9 +23,12 @@ the same functions, so the bundled demo checkpoints share these vocabularies.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 # ---------------------------------------------------------------------------
 # Character-level tokenizers
@@ -581,3 +586,49 @@ def leftovers(parent: Path, out: Path) -> list[str]:
     """Anything a failed conversion left next to (or at) ``out``."""
     return [p.name for p in Path(parent).iterdir()
             if p.name == out.name or p.name.startswith(f".{out.name}.dlm-")]
+
+
+# -- family kits: what the conformance suite (test_family_conformance.py) needs -----
+
+
+@dataclass(frozen=True)
+class FamilyKit:
+    build: Callable[[Path], object]  # a tiny float32 checkpoint in the hub layout
+    config_forms: Callable[[dict], dict[str, dict]]  # that config in every on-disk form the family reads
+    form_dependent_fields: tuple[str, ...] = ()  # ModelArgs fields that legitimately differ between forms
+    q_group_size: int = 32  # a group size the tiny geometry divides
+    not_converted: tuple[str, ...] = ()  # name prefixes a text-only conversion leaves out on purpose
+
+
+def diffusion_gemma_config_forms(config: dict) -> dict[str, dict]:
+    """Hub form (flat global_head_dim keys), the save_pretrained form
+    (per_layer_config) and the bare text config (``diffusion_gemma_text``)."""
+    hub = copy.deepcopy(config)
+    resaved = copy.deepcopy(config)
+    text = resaved["text_config"]
+    head_dim, kv_heads = text.pop("global_head_dim"), text.pop("num_global_key_value_heads")
+    text["per_layer_config"] = {str(i): {"head_dim": head_dim, "num_key_value_heads": kv_heads}
+                                for i, kind in enumerate(text["layer_types"]) if kind == "full_attention"}
+    flat = dict(copy.deepcopy(config["text_config"]), model_type="diffusion_gemma_text",
+                canvas_length=config["canvas_length"], eos_token_id=config["eos_token_id"])
+    return {"hub": hub, "resaved": resaved, "text": flat}
+
+
+def llada2_config_forms(config: dict) -> dict[str, dict]:
+    """The hub config and mlx-vlm's nested form (everything under text_config)."""
+    nested = {"model_type": "llada2_moe",
+              "text_config": {k: v for k, v in config.items() if k != "model_type"}}
+    return {"hub": copy.deepcopy(config), "mlx-vlm": nested}
+
+
+FAMILY_KITS = {
+    "diffusion_gemma": FamilyKit(
+        build=lambda out: build_diffusion_gemma(out, form="hub"),
+        config_forms=diffusion_gemma_config_forms,
+        # The text form has no vision tower and no image token ids.
+        form_dependent_fields=("model_type", "vision_config", "image_token_id", "boi_token_id",
+                               "eoi_token_id"),
+        not_converted=("model.encoder.vision_tower.", "model.encoder.embed_vision."),
+    ),
+    "llada2_moe": FamilyKit(build=lambda out: build_llada2(out), config_forms=llada2_config_forms),
+}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlm.quantize.modes import mode_defaults
 from dlm.runtime.checkpoint import weight_files
 from dlm.runtime.errors import ConfigError, WeightError
 
@@ -56,9 +57,13 @@ def _quant_params(config: dict, module: str) -> dict | None:
     entry = q.get(module, True)
     if entry is False:
         return None
-    base = {"group_size": q.get("group_size", 64), "bits": q.get("bits", 4), "mode": q.get("mode", "affine")}
+    base = {"group_size": q.get("group_size"), "bits": q.get("bits"), "mode": q.get("mode", "affine")}
     if isinstance(entry, dict):
         base.update({k: v for k, v in entry.items() if k in ("group_size", "bits", "mode")})
+    try:
+        base["group_size"], base["bits"] = mode_defaults(base["mode"], base["group_size"], base["bits"])
+    except ValueError as exc:
+        raise ConfigError(f"config.json quantization of {module}: {exc}") from None
     return base
 
 
