@@ -68,3 +68,14 @@ def _serving(app, timeout: float = 30.0):
 def serving():
     """The loopback harness for a dlm server app: ``with serving(app) as base_url: ...``."""
     return _serving
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The PyTorch reference on one thread for a module's tests (2 shared cores)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -20,12 +20,7 @@ from dlm.verify.protocol import BlockTrace, CommitStream, TraceRecorder  # noqa:
 from tests.builders import build_llada2, convert_dir, install_in_hf_cache, record_bundle  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- metrics and divergence ----------------------------------------------------

@@ -17,12 +17,7 @@ from dlm.verify.suite import Options, record, run_parity  # noqa: E402
 from tests.builders import FAST_VERIFY, TINY_DRIFT, convert_dir, record_bundle, verify_options  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

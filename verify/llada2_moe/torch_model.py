@@ -14,6 +14,10 @@ temperature-0 sampling bug when ``hub_sampler=True``), with hooks the parity
 suite needs: a shared uniform stream (inverse-CDF sampling, so MLX and torch
 draw the same samples), a commit trace, the fixed greedy sampler, a linear
 threshold schedule and LLaDA2.1 draft-and-edit decoding.
+
+Its config, forward pass and generate() deliberately repeat what
+dlm.runtime.models.llada2_moe implements, written apart from it: a reference
+that shared code with what it checks could not disagree with it.
 """
 
 from __future__ import annotations
