@@ -7,10 +7,9 @@
         print(event.reasoning or event.text, end="", flush=True)
     result = api.generate(loaded, ids, {"max_tokens": 64})
 
-``options`` use the snake_case names of the ``dlm-run generate`` flags; each
-family's generation module documents its own (DiffusionGemma:
-``dlm.runtime.models.diffusion_gemma.generate``). An option that does not apply to the
-family raises GenerationError naming it.
+``options`` use the snake_case names of the ``dlm-run generate`` flags, as each
+family declares them in ``dlm.runtime.models.<family>.options``. An option that
+does not apply to the family raises GenerationError naming its flag.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 config.py (ModelArgs), weights.py (HF <-> MLX weight map), layers.py + model.py
 (MLX modules), sampling.py + canvas.py (samplers and the canvas denoising loop),
-generate.py (settings and the per-canvas step), options.py (generation options). The family surface the registry uses is re-exported here.
+generate.py (settings and the per-canvas step), options.py (generation options).
+The family surface the registry uses is re-exported here.
 """
 
 from .config import ModelArgs, output_config
