@@ -8,6 +8,7 @@ import sys
 import click
 
 from ..quantize.modes import MODES
+from ..runtime.console import Command
 from ..runtime.errors import DlmError
 
 EPILOG = """\b
@@ -31,6 +32,7 @@ def _on_sigterm(signum, frame):  # run the cleanup path, as for Ctrl-C
 
 
 @click.command(
+    cls=Command,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     epilog=EPILOG,
 )
@@ -58,8 +60,10 @@ def _on_sigterm(signum, frame):  # run the cleanup path, as for Ctrl-C
               help="Drop the vision tower and write a text-only config.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--allow-non-finite", is_flag=True,
+              help="Convert weights holding NaN/Inf with a warning (default: an error naming the tensor).")
 def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe, dtype, revision,
-         text_only, overwrite, no_progress):
+         text_only, overwrite, no_progress, allow_non_finite):
     """Convert a Hugging Face checkpoint to MLX safetensors, optionally quantized.
 
     SOURCE is a Hugging Face Hub repo id (org/name) or a local checkpoint
@@ -89,6 +93,7 @@ def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe
         text_only=text_only,
         overwrite=overwrite,
         progress=not no_progress,
+        allow_non_finite=allow_non_finite,
     )
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..quantize.recipes import Decision, Recipe, bits_per_weight, config_block, decide, make_spec
-from ..runtime.checkpoint import check_tokenizer, read_config
+from ..runtime.checkpoint import check_tokenizer, read_config, read_json
 from ..runtime.errors import ConfigError, WeightError
 from ..runtime.registry import Family, family_for_config
 from ..runtime.models.plan import TensorPlan
@@ -63,6 +63,7 @@ class ConvertOptions:
     cache_dir: Optional[str] = None  # Hub cache; default HF_HUB_CACHE / the library default
     max_shard_bytes: int = MAX_SHARD_BYTES
     progress: bool = True
+    allow_non_finite: bool = False  # NaN/Inf weights: a warning instead of an error
 
 
 @dataclass
@@ -145,10 +146,37 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise OutputError(f"cannot create {out}: {out.parent} is not a directory")
 
 
-def make_temp_dir(out: Path) -> Path:
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # someone else's process (or not a pid): leave it alone
+    return True
+
+
+def remove_leftovers(out: Path, echo: Callable[[str], None] = print) -> None:
+    """Remove ``.OUT.dlm-partial-PID`` / ``.OUT.dlm-old-PID`` directories that a
+    killed conversion of the same output left behind (its process is gone)."""
+    if not out.parent.is_dir():
+        return
+    for path in sorted(out.parent.glob(f".{out.name}.dlm-*-*")):
+        kind, _, pid = path.name[len(out.name) + 1:].rpartition("-")
+        if kind not in ("dlm-partial", "dlm-old") or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        echo(f"Removed {path}, left by an interrupted conversion (process {pid} is gone)")
+
+
+def make_temp_dir(out: Path, echo: Callable[[str], None] = print) -> Path:
     tmp = out.parent / f".{out.name}.dlm-partial-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out, echo)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
@@ -209,10 +237,11 @@ def plan_jobs(
         else:
             probe = plan.combine([mx.zeros(reader.tensors[s].shape, reader.mx_dtype(s)) for s in plan.sources])
             shape, src_dtype = tuple(probe.shape), probe.dtype
-        if mx.issubdtype(src_dtype, mx.floating):
-            out_dtype = mx.float32 if plan.keep_float32 else (dtype or src_dtype)
-        else:
-            out_dtype = src_dtype
+        if not mx.issubdtype(src_dtype, mx.floating):
+            bad = next((n for n in plan.sources if not mx.issubdtype(reader.mx_dtype(n), mx.floating)), plan.name)
+            raise WeightError(f"tensor {bad} has dtype {reader.tensors[bad].dtype if bad in reader.tensors else src_dtype}; "
+                              "model weights must be floating point (F32, F16, BF16)")
+        out_dtype = mx.float32 if plan.keep_float32 else (dtype or src_dtype)
         decision = decide(recipe, quant_class, plan.name, shape, out_dtype)
         if decision.spec is not None:
             row = decision.spec.quantize(mx.zeros((1, shape[-1]), out_dtype))
@@ -233,8 +262,10 @@ def plan_jobs(
 # -- data ---------------------------------------------------------------------
 
 
-def run_job(job: Job, reader: CheckpointReader, writer: ShardWriter, advance: Callable[[int], None]) -> None:
-    """Read, cast, quantize and write one plan entry, ``CHUNK_BYTES`` of rows at a time."""
+def run_job(job: Job, reader: CheckpointReader, writer: ShardWriter, advance: Callable[[int], None],
+            allow_non_finite: bool = False, warn: Callable[[str], None] = print) -> None:
+    """Read, cast, quantize and write one plan entry, ``CHUNK_BYTES`` of rows at a time.
+    Every chunk is checked for NaN/Inf as it streams through (no second pass)."""
     rows, cols = job.rows, job.cols
     if job.plan.combine is None:
         src = job.plan.sources[0]
@@ -250,21 +281,33 @@ def run_job(job: Job, reader: CheckpointReader, writer: ShardWriter, advance: Ca
 
     step = max(1, CHUNK_BYTES // max(1, cols * 4))
     spec = job.decision.spec
+    non_finite = 0
     for a in range(0, rows, step):
         b = min(rows, a + step)
         x = chunk(a, b)
         if x.dtype != job.out_dtype:
             x = x.astype(job.out_dtype)
         parts = spec.quantize(x) if spec is not None else (x,)
-        mx.eval(*parts)
+        bad = (~mx.isfinite(x)).sum()
+        mx.eval(*parts, bad)
+        non_finite += int(bad.item())
         for out, part in zip(job.outputs, parts):
             writer.write_rows(out.name, a, part)
             advance(part.nbytes)
         del x, parts
     mx.clear_cache()
+    if non_finite:
+        what = (f"tensor {job.plan.sources[0]}" if len(job.plan.sources) == 1
+                else f"tensor {job.plan.name} (from {job.plan.sources[0]}, ...)")
+        message = f"{what} has {non_finite} non-finite value(s) (NaN/Inf) after casting to {job.out_dtype}"
+        if not allow_non_finite:
+            raise WeightError(f"{message}; the checkpoint is broken (or --dtype overflows it); "
+                              "--allow-non-finite converts it anyway")
+        warn(f"warning: {message}")
 
 
-def write_weights(reader, jobs: list[Job], writer: ShardWriter, progress: bool) -> None:
+def write_weights(reader, jobs: list[Job], writer: ShardWriter, progress: bool,
+                  allow_non_finite: bool = False, warn: Callable[[str], None] = print) -> None:
     from tqdm.auto import tqdm
 
     total = sum(t.nbytes for j in jobs for t in j.outputs)
@@ -272,7 +315,7 @@ def write_weights(reader, jobs: list[Job], writer: ShardWriter, progress: bool) 
     with tqdm(total=total, unit="B", unit_scale=True, desc="Converting", disable=not progress) as bar:
         try:
             for i, job in enumerate(jobs):
-                run_job(job, reader, writer, bar.update)
+                run_job(job, reader, writer, bar.update, allow_non_finite, warn)
                 shard = job.outputs[-1].shard
                 if last_job_of_shard[shard] == i:
                     writer.close_shard(shard)
@@ -290,8 +333,11 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
         raise ConfigError(f"unknown --dtype {opts.dtype!r}; choose from {', '.join(FLOAT_DTYPES)}")
     dtype = FLOAT_DTYPES.get(opts.dtype or "")
     out = Path(opts.output).expanduser().absolute() if opts.output else default_output(opts, recipe)
+    if out.is_symlink() and out.is_dir():
+        # Replace what the link points at (the link stays valid); work next to it.
+        out = Path(os.path.realpath(out))
     check_output(out, opts.overwrite)
-    tmp = make_temp_dir(out)
+    tmp = make_temp_dir(out, echo)
     try:
         src = resolve_source(opts.source, opts.revision, opts.cache_dir, opts.progress)
         if src.path == out or out in src.path.parents:
@@ -317,7 +363,7 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
                  f"file(s)) -> {out}")
             echo(_recipe_line(recipe, opts.dtype))
             writer = ShardWriter(tmp, shards)
-            write_weights(reader, jobs, writer, opts.progress)
+            write_weights(reader, jobs, writer, opts.progress, opts.allow_non_finite, echo)
         parameters = sum(math.prod(j.shape) for j in jobs)
         writer.write_index(parameters)
         stored = sum(s.data_bytes for s in shards)
@@ -384,10 +430,27 @@ def _output_config(module, config: dict, opts: ConvertOptions, recipe: Optional[
     return out
 
 
+def _inside_checkpoint(path: Path, src: Path) -> bool:
+    """A sidecar must be the checkpoint's own file: a symbolic link may point
+    only inside the checkpoint, or, for a Hub cache snapshot, inside that
+    repository's cache folder (its blobs)."""
+    if not path.is_symlink():
+        return True
+    root = src.resolve()
+    if src.parent.name == "snapshots":
+        root = src.parent.parent.resolve()
+    return path.resolve().is_relative_to(root)
+
+
 def _copy_sidecars(src: Path, dst: Path, text_only: bool) -> None:
     names = SIDECAR_FILES + (() if text_only else VISION_SIDECARS)
     for name in names:
         if (src / name).is_file():
+            if not _inside_checkpoint(src / name, src):
+                raise ConfigError(f"{src / name} is a symbolic link to {(src / name).resolve()}, outside the "
+                                  "checkpoint; refusing to copy it into the output")
+            if name.endswith(".json"):
+                read_json(src / name, name)  # a corrupt sidecar is an error now, not at run time
             try:
                 shutil.copyfile(src / name, dst / name)
             except OSError as exc:

@@ -112,8 +112,16 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise WeightError(
                 f"{path.name}: tensor {name} has {stop - begin} bytes for shape {list(shape)} {dtype}"
             )
+        if begin < 0 or stop < begin:
+            raise WeightError(f"{path.name}: tensor {name} has invalid data_offsets [{begin}, {stop}]")
         out[name] = TensorInfo(name, shape, dtype, path, base + begin, want)
         end = max(end, stop)
+    # The format (and its official parser) forbids tensors sharing bytes.
+    spans = sorted((t.start, t.start + t.nbytes, t.name) for t in out.values() if t.nbytes)
+    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise WeightError(f"{path.name}: tensors {a} and {b} overlap in the file "
+                              f"(bytes {b0 - base}..{min(a1, b1) - base}); the safetensors header is corrupt")
     if base + end > size:
         raise WeightError(
             f"shard {path.name} is truncated: its header describes {base + end} bytes "

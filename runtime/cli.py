@@ -9,16 +9,16 @@ generation_config.json where the help says so.
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import click
 
+from .console import Group, check_text, fail, read_stdin
 from .errors import DlmError
 from .options import click_options
 
 
-@click.group()
+@click.group(cls=Group)
 @click.version_option(package_name="dlm", prog_name="dlm-run")
 def main():
     """Run DiffusionGemma / LLaDA-2 models converted to MLX."""
@@ -32,11 +32,6 @@ def _parse_ids(text: str) -> list[int]:
     if not ids:
         raise click.BadParameter("no token ids given", param_hint="--prompt-ids")
     return ids
-
-
-def _fail(message: str, code: int = 1):
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 _PLURAL = {"canvas": "Canvases", "block": "Blocks"}
@@ -94,7 +89,10 @@ def generate(model_path, prompt, prompt_ids, system, chat_template, thinking, im
         options = {k: v for k, v in options.items() if v is not None}
         if ids is None:
             if prompt is None or prompt == "-":
-                prompt = sys.stdin.read()
+                prompt = read_stdin()
+            check_text(prompt, "--prompt")
+            if system is not None:
+                check_text(system, "--system")
             ids = api.encode_prompt(loaded, prompt, system=system, chat_template=chat_template,
                                     enable_thinking=thinking)
         events = api.stream_generate(loaded, ids, options)
@@ -116,7 +114,7 @@ def generate(model_path, prompt, prompt_ids, system, chat_template, thinking, im
                     click.echo(event.text, nl=False)
         wall = time.perf_counter() - start
     except DlmError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     stats = final.stats
     if as_json:
         click.echo(json.dumps({

@@ -233,6 +233,10 @@ def request_options() -> dict[str, Option]:
 MAX_TOKENS = Option("max_tokens", INT, "Most tokens to generate.", "generation_config max_new_tokens, else 256",
                     minimum=1, short="-m")
 SEED = Option("seed", INT, "Seed for the run's randomness (same seed, same machine: same output).",
-              "random", minimum=0)
+              "random", minimum=0, maximum=2**64 - 1)
+MEMORY_BUDGET = Option("memory_budget", FLOAT, "Refuse, before allocating, a generation whose KV cache, "
+                       "canvas/block and logits would need more than this many GB.",
+                       "80% of the machine's memory less the model", minimum=0.0, min_open=True,
+                       request=False)
 PREFILL_STEP_SIZE = Option("prefill_step_size", INT, "Prompt tokens per prefill forward.", "2048",
                            minimum=1, request=False)

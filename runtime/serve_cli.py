@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from .console import Command
 from .errors import DlmError
 from .options import click_options
 from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
@@ -28,7 +29,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-@click.command("serve")
+@click.command("serve", cls=Command)
 @click.option("--model", "model_path", required=True, help="Converted MLX model directory.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to bind (loopback unless you choose otherwise).")
@@ -61,6 +62,9 @@ def serve(model_path, host, port, api_key, queue_size, max_body_bytes, model_id,
     from .server import check_options, create_app
 
     defaults = {k: v for k, v in options.items() if v is not None}
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty (a client could authenticate with no token); "
+                                 "give a real key or none", param_hint="--api-key / DLM_API_KEY")
     try:
         loaded = api.load(model_path, trust_remote_code=trust_remote_code)
         check_options(loaded, defaults)  # refuse flags the family does not take, now

@@ -339,12 +339,13 @@ class _Server:
                                                        chat_template=True, enable_thinking=thinking))
             return list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt, chat_template=False))
 
-    def check_request_options(self, requested: dict, options: dict):
-        """The family's settings for ``options``, or a 400 naming the request
-        fields it refuses (its message speaks of options or CLI flags; the
-        client needs its own field names)."""
+    def check_request_options(self, requested: dict, options: dict, prompt_ids: list[int]):
+        """The family's settings for ``options`` and this prompt (context and
+        memory budget checked before anything is allocated), or a 400 naming the
+        request fields it refuses (its message speaks of options or CLI flags;
+        the client needs its own field names)."""
         try:
-            return check_options(self.loaded, options)
+            return check_options(self.loaded, options, prompt_ids)
         except DlmError as exc:
             fields = []
             for name, value in requested.items():
@@ -366,13 +367,14 @@ class _Server:
             prompt_ids = await run_in_threadpool(self.encode, req)
         except DlmError as exc:
             raise bad(str(exc)) from None
-        settings = self.check_request_options(req.options, options)
         if not prompt_ids:
             raise bad("the prompt is empty after tokenization", "messages" if kind == "chat" else "prompt")
+        settings = self.check_request_options(req.options, options, None)
         max_tokens = getattr(settings, "max_tokens", None)
         if self.context and max_tokens and len(prompt_ids) + max_tokens > self.context:
             raise bad(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                       f"model context of {self.context} tokens", "max_tokens")
+        self.check_request_options(req.options, options, prompt_ids)
         loaded, runtime = self.loaded, self.runtime
 
         def run(cancel):
@@ -387,13 +389,18 @@ class _Server:
         return _JobResponse(self, job, req, len(prompt_ids), received_at)
 
 
-def check_options(loaded, options: dict):
-    """Let the family's settings parser refuse inapplicable or bad options
-    (GenerationError naming them) without generating: the server checks each
-    request before it takes a queue slot, and ``serve`` its defaults at startup."""
+def check_options(loaded, options: dict, prompt_ids: Optional[list[int]] = None):
+    """Let the family refuse inapplicable or bad options (GenerationError naming
+    them) without generating: the server checks each request before it takes a
+    queue slot, and ``serve`` its defaults at startup. With ``prompt_ids`` the
+    family's session is built too, which checks the prompt, the context and the
+    memory budget, allocating nothing."""
     options = {k: v for k, v in options.items() if k not in PROMPT_DEFAULTS}
-    return loaded.family.generation().Settings.from_options(options, loaded.args,
-                                                            loaded.generation_config)
+    gen = loaded.family.generation()
+    settings = gen.Settings.from_options(options, loaded.args, loaded.generation_config)
+    if prompt_ids is not None:
+        gen.Session(loaded, prompt_ids, settings)
+    return settings
 
 
 def _clear_mlx_cache() -> None:

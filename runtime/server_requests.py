@@ -47,8 +47,14 @@ def _bool(value: Any, name: str) -> bool:
 
 
 def _str(value: Any, name: str) -> str:
+    """A string field; JSON can carry lone surrogates (``"\\ud800"``), which no
+    tokenizer can encode: refused here, naming the field."""
     if not isinstance(value, str):
         raise bad(f"'{name}' must be a string, got {type(value).__name__}", name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(f"'{name}' is not valid UTF-8 text (lone surrogate at position {exc.start})", name) from None
     return value
 
 
@@ -116,6 +122,7 @@ def _common(body: dict, req: ParsedRequest) -> None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise bad("'stop' must be a string or a list of strings", "stop")
+        stops = [_str(s, "stop") for s in stops]
         if len(stops) > MAX_STOP_STRINGS:
             raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
         if any(s == "" for s in stops):
@@ -140,7 +147,7 @@ def _content_text(content: Any, where: str, caps: ModelCaps) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _str(content, f"{where}.content")
     if not isinstance(content, list):
         raise bad(f"'{where}.content' must be a string or a list of content parts", where)
     texts = []
@@ -224,6 +231,7 @@ def parse_completion(body: Any, caps: ModelCaps) -> ParsedRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad("'prompt' must be a string (one prompt per request)", "prompt")
+    _str(prompt, "prompt")
     if prompt == "":
         raise bad("the prompt is empty", "prompt")
     req.prompt = prompt

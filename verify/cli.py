@@ -15,13 +15,14 @@ from pathlib import Path
 
 import click
 
+from dlm.runtime.console import Group
 from dlm.runtime.errors import DlmError
 
 from .protocol import REFERENCE_DTYPES
 
 
 
-class _Group(click.Group):
+class _Group(Group):
     """A group whose default invocation is the parity run: ``dlm-verify
     --parity DIR`` (or ``dlm-verify DIR``), with ``record`` as a subcommand."""
 
@@ -72,8 +73,7 @@ def _fail(exc: Exception, code: int = 2):
     sys.exit(code)
 
 
-@click.group(cls=_Group, invoke_without_command=True,
-             context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, invoke_without_command=True, error_code=2)
 @click.option("--parity", "mlx_dir", type=click.Path(file_okay=False),
               help="Converted MLX model directory to verify.")
 @click.option("--reference", help="Original checkpoint: Hub repo id or directory "

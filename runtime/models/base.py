@@ -65,7 +65,7 @@ class ConfigReader:
         return value
 
     def float(self, key: str, default: Any = _REQUIRED, minimum: Optional[float] = None,
-              positive: bool = False) -> Any:
+              maximum: Optional[float] = None, positive: bool = False) -> Any:
         value, defaulted = self._get(key, default)
         if defaulted:
             return value
@@ -75,6 +75,8 @@ class ConfigReader:
             raise self._bad(key, "> 0", value)
         if minimum is not None and value < minimum:
             raise self._bad(key, f">= {minimum}", value)
+        if maximum is not None and value > maximum:
+            raise self._bad(key, f"<= {maximum}", value)
         return float(value)
 
     def bool(self, key: str, default: Any = _REQUIRED) -> Any:

@@ -24,21 +24,22 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
+import mlx.core as mx
+
 from ...errors import GenerationError
 from ...events import GenerationEvent
 from ...generate import Block, run
+from ...memory import check_budget
 from ...options import resolve
+from ..base import ConfigReader
 from . import sampling as S
 from .canvas import DebugDraws, DenoiseConfig, RandomDraws, StepHook, denoise_canvas
+from .config import SLIDING
 from .options import OPTIONS
+
 
 def _env_debug_canvas() -> bool:
     return os.environ.get("DLM_DEBUG_CANVAS", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _gen(gen: dict, key: str, default):
-    value = gen.get(key)
-    return default if value is None else value
 
 
 @dataclass
@@ -52,16 +53,19 @@ class Settings:
     debug_canvas: bool = False
     eos_token_ids: list[int] = field(default_factory=lambda: [1])
     prefill_step_size: int = 2048
+    memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.memory)
 
     @classmethod
     def from_options(cls, options: dict, args, generation_config: dict) -> "Settings":
         """Settings from options (checked against options.py) over generation_config over defaults."""
         options = resolve(OPTIONS, options, "DiffusionGemma")
-        gen = generation_config or {}
-        sampler_config = _gen(gen, "sampler_config", {})
+        # Every generation_config value typed and range-checked (a bad one names the key).
+        g = ConfigReader(generation_config or {}, "generation_config.json", "generation config")
+        sampler_config = g.dict("sampler_config", {})
         cls_name = sampler_config.get("_cls_name", "EntropyBoundSamplerConfig")
         if cls_name != "EntropyBoundSamplerConfig":
             raise GenerationError(f"generation_config.json: unsupported sampler_config {cls_name!r}")
+        sampler = ConfigReader(sampler_config, "generation_config.json sampler_config")
 
         canvas = int(args.canvas_length)
         max_canvas = options.get("diffusion_max_canvas_length", canvas)
@@ -69,27 +73,23 @@ class Settings:
             raise GenerationError(
                 f"diffusion_max_canvas_length {max_canvas} exceeds the checkpoint's canvas_length {canvas}"
             )
-        eos = _gen(gen, "eos_token_id", args.eos_token_ids)
-        eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
+        eos = g.token_ids("eos_token_id", list(args.eos_token_ids), vocab=args.vocab_size)
         debug = bool(options.get("debug_canvas", False)) or _env_debug_canvas()
 
         # Unset (missing or null) generation_config fields take transformers' global defaults.
-        t_min, t_max = _gen(gen, "t_min", 0.4), _gen(gen, "t_max", 0.8)
-        stability = _gen(gen, "stability_threshold", 1)
-        conf = _gen(gen, "confidence_threshold", 0.005)
         denoise = DenoiseConfig(
-            steps=options.get("max_denoising_steps", int(gen.get("max_denoising_steps") or 48)),
+            steps=options.get("max_denoising_steps", g.int("max_denoising_steps", 0, minimum=0) or 48),
             sampler=options.get("diffusion_sampler", S.ENTROPY_BOUND),
-            entropy_bound=float(sampler_config.get("entropy_bound", 0.1)),
+            entropy_bound=sampler.float("entropy_bound", 0.1, minimum=0.0),
             threshold=options.get("diffusion_threshold", 0.9),
-            t_min=float(t_min),
-            t_max=float(t_max),
-            stability_threshold=int(stability),
-            confidence_threshold=float(conf),
+            t_min=g.float("t_min", 0.4, positive=True),
+            t_max=g.float("t_max", 0.8, positive=True),
+            stability_threshold=g.int("stability_threshold", 1, minimum=0),
+            confidence_threshold=g.float("confidence_threshold", 0.005, minimum=0.0),
             temperature=options.get("temp", 1.0),
         )
         return cls(
-            max_tokens=options.get("max_tokens", int(gen.get("max_new_tokens") or 256)),
+            max_tokens=options.get("max_tokens", g.int("max_new_tokens", 0, minimum=0) or 256),
             denoise=denoise,
             min_canvas=options.get("diffusion_min_canvas_length", 64),
             max_canvas=max_canvas,
@@ -98,6 +98,7 @@ class Settings:
             debug_canvas=debug,
             eos_token_ids=eos,
             prefill_step_size=options.get("prefill_step_size", 2048),
+            memory_budget=options.get("memory_budget"),
         )
 
 
@@ -131,12 +132,33 @@ class CanvasSession:
         self.budget = min(settings.max_tokens, args.max_position_embeddings - len(self.prompt_ids))
         self.stop_ids = frozenset(settings.eos_token_ids)
         self.denoise = replace(settings.denoise, sc_dtype=self.model.dtype)
+        check_budget(self.memory_bytes(args), settings.memory_budget,
+                     "prefix cache, canvas logits and attention scores",
+                     "lower --max-tokens, --diffusion-max-canvas-length or --prefill-step-size, "
+                     "or shorten the prompt")
         if settings.debug_canvas:
             self.draws = DebugDraws(args.vocab_size)
         else:
             seed = settings.seed if settings.seed is not None else random.SystemRandom().randrange(2**31)
             self.draws = RandomDraws(args.vocab_size, seed)
         self.cache, self.pending = None, None
+
+    def memory_bytes(self, args) -> int:
+        """Upper estimate of what one run holds: the prefix cache at its longest, a
+        step's float32 canvas logits (logits, probabilities, self-conditioning,
+        scores), and the widest attention-score matrix (prefill chunk or canvas
+        against every cached position)."""
+        s = self.settings
+        positions = len(self.prompt_ids) + self.budget
+        item = 4 if self.model.dtype == mx.float32 else 2
+        window = args.sliding_window - 1
+        kv = sum((min(positions, window) if kind == SLIDING else positions) * heads * dim * 2 * item
+                 for kind, heads, dim in zip(args.layer_types, args.layer_kv_heads, args.layer_head_dims))
+        canvas = s.max_canvas
+        logits = 6 * canvas * args.vocab_size * 4
+        rows = max(min(s.prefill_step_size, len(self.prompt_ids)), canvas)
+        scores = 2 * args.num_attention_heads * rows * (positions + canvas) * 4
+        return kv + logits + scores
 
     def prefill(self) -> None:
         self.cache = self.model.make_cache()
@@ -155,6 +177,9 @@ class CanvasSession:
             return Block(steps=result.steps, cancelled=True)
         self.pending = result.tokens
         return Block(result.tokens[0].tolist(), result.steps, result.stopped_early)
+
+
+Session = CanvasSession
 
 
 def stream_generate(

@@ -1,7 +1,7 @@
 """DiffusionGemma's generation options (see dlm.runtime.options); defaults
 are applied by generate.Settings.from_options."""
 
-from ...options import BOOL, FLOAT, INT, MAX_TOKENS, PREFILL_STEP_SIZE, SEED, STR, Option
+from ...options import BOOL, FLOAT, INT, MAX_TOKENS, MEMORY_BUDGET, PREFILL_STEP_SIZE, SEED, STR, Option
 from .sampling import SAMPLERS
 
 OPTIONS = (
@@ -22,4 +22,5 @@ OPTIONS = (
     Option("debug_canvas", BOOL, "Fixed canvas pattern + argmax sampling (parity with the reference; "
            "also DLM_DEBUG_CANVAS=1).", request=False),
     PREFILL_STEP_SIZE,
+    MEMORY_BUDGET,
 )

@@ -45,9 +45,20 @@ import numpy as np
 from ...errors import GenerationError
 from ...events import GenerationEvent
 from ...generate import Block, run
+from ...memory import check_budget
 from ...options import resolve
+from ..base import ConfigReader
 from .model import block_causal_mask
-from .options import BLOCK_LENGTH, EDITING_THRESHOLD_21, LINEAR_FLOOR, MAX_POST_STEPS, OPTIONS, REFUSED, STEPS, THRESHOLD
+from .options import (
+    BLOCK_LENGTH,
+    EDITING_THRESHOLD_21,
+    LINEAR_FLOOR,
+    MAX_POST_STEPS,
+    OPTIONS,
+    REFUSED,
+    STEPS,
+    THRESHOLD,
+)
 from .sampling import UniformStream, reveal, sample, transfer_quota
 
 PREFILL_STEP = 2048
@@ -87,6 +98,7 @@ class Settings:
     editing_threshold: Optional[float] | str = "auto"
     max_post_steps: int = MAX_POST_STEPS
     prefill_step_size: int = PREFILL_STEP  # prompt tokens per prefill forward (rounded to blocks)
+    memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.memory)
     # Internal switches (parity suite and tests; not CLI flags).
     kv_cache: bool = True
     suppress_mask: bool = True  # never sample the mask token (the hub does not exclude it)
@@ -100,54 +112,29 @@ class Settings:
     def from_options(cls, options: dict, args, generation_config: dict) -> "Settings":
         """Settings from options (checked against options.py) over generation_config over defaults."""
         options = resolve(OPTIONS, options, "LLaDA-2", REFUSED)
-        gc = generation_config or {}
-
-        def pick(name, *gc_names, default=None):
-            if options.get(name) is not None:
-                return options[name]
-            for n in gc_names:
-                if gc.get(n) is not None:
-                    return gc[n]
-            return default
-
-        eos = gc.get("eos_token_id")
-        eos_ids = list(args.eos_token_ids) if eos is None else (eos if isinstance(eos, list) else [eos])
+        # generation_config values are typed and range-checked (a bad one names the key).
+        g = ConfigReader(generation_config or {}, "generation_config.json", "generation config")
+        vocab = args.vocab_size
         s = cls(
-            mask_token_id=int(gc.get("mask_token_id", args.mask_token_id)),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            max_tokens=int(pick("max_tokens", "max_new_tokens", default=256)),
-            block_length=int(pick("block_length", "block_length", default=BLOCK_LENGTH)),
-            steps=int(pick("max_denoising_steps", "steps", default=STEPS)),
-            threshold=float(pick("threshold", "threshold", default=THRESHOLD)),
-            temperature=float(pick("temp", "temperature", default=0.0)),
+            mask_token_id=g.int("mask_token_id", args.mask_token_id, minimum=0, maximum=vocab - 1),
+            eos_token_ids=tuple(g.token_ids("eos_token_id", list(args.eos_token_ids), vocab=vocab)),
+            max_tokens=options.get("max_tokens", g.int("max_new_tokens", 256, minimum=0)),
+            block_length=options.get("block_length", g.int("block_length", BLOCK_LENGTH, minimum=1)),
+            steps=options.get("max_denoising_steps", g.int("steps", STEPS, minimum=1)),
+            threshold=options.get("threshold", g.float("threshold", THRESHOLD, minimum=0.0, maximum=1.0)),
+            temperature=options.get("temp", g.float("temperature", 0.0, minimum=0.0)),
             top_k=options.get("top_k"),
             top_p=options.get("top_p"),
             seed=options.get("seed"),
             reference_sampling=bool(options.get("reference_sampling") or False),
-            max_post_steps=int(pick("max_post_steps", "max_post_steps", default=MAX_POST_STEPS)),
-            prefill_step_size=int(pick("prefill_step_size", default=PREFILL_STEP)),
+            max_post_steps=options.get("max_post_steps", g.int("max_post_steps", MAX_POST_STEPS, minimum=0)),
+            prefill_step_size=options.get("prefill_step_size", PREFILL_STEP),
+            memory_budget=options.get("memory_budget"),
         )
         if options.get("editing_threshold") is not None:
             s.editing_threshold = float(options["editing_threshold"])
         s.min_threshold = parse_threshold_schedule(options.get("threshold_schedule"), s.threshold)
-        s.validate()
         return s
-
-    def validate(self) -> None:
-        """Values that may come from generation_config.json as well as from options."""
-        def bad(msg):
-            raise GenerationError(f"{msg} (generation_config.json or options)")
-
-        if self.max_tokens < 0:
-            bad(f"max_new_tokens must be >= 0, got {self.max_tokens}")
-        if self.block_length < 1:
-            bad(f"block_length must be >= 1, got {self.block_length}")
-        if self.steps < 1:
-            bad(f"steps must be >= 1, got {self.steps}")
-        if not 0.0 <= self.threshold <= 1.0:
-            bad(f"threshold must be in [0, 1], got {self.threshold}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
 
     def step_threshold(self, step: int, steps: int) -> float:
         if self.min_threshold is None:
@@ -225,7 +212,7 @@ class BlockSession:
     block_name = "block"
     skip_special_tokens = True
 
-    def __init__(self, loaded, prompt_ids, s: Settings, cancel):
+    def __init__(self, loaded, prompt_ids, s: Settings, cancel: Optional[Callable[[], bool]] = None):
         self.model, self.s, self.cancel = loaded.model, s, cancel
         self.prompt = prompt_ids
         self.P, self.bl = len(prompt_ids), s.block_length
@@ -235,6 +222,16 @@ class BlockSession:
             raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
         if not 0 <= s.mask_token_id < vocab:
             raise GenerationError(f"mask token id {s.mask_token_id} is outside the vocabulary (size {vocab})")
+        ctx = loaded.args.max_position_embeddings
+        if self.P >= ctx:
+            raise GenerationError(f"the prompt has {self.P} tokens; the model context is {ctx} "
+                                  "(max_position_embeddings)")
+        if self.bl > ctx:
+            raise GenerationError(f"--block-length {self.bl} exceeds the model context of {ctx} tokens")
+        self.budget = min(s.max_tokens, ctx - self.P)
+        check_budget(self.memory_bytes(loaded.args), s.memory_budget,
+                     "KV cache, block logits and attention scores",
+                     "lower --max-tokens, --block-length or --prefill-step-size, or shorten the prompt")
         self.editing = s.editing_threshold
         if self.editing == "auto":
             self.editing = EDITING_THRESHOLD_21 if is_llada21(loaded) else None
@@ -246,7 +243,20 @@ class BlockSession:
         if s.suppress_mask:
             self.logit_bias = mx.where(mx.arange(vocab) == s.mask_token_id, -mx.inf, 0.0)
         self.set_stops(stop_ids(loaded, s))
-        self.budget = s.max_tokens
+
+    def memory_bytes(self, args) -> int:
+        """Upper estimate: the KV cache at its capacity, a step's float32 block
+        logits (with the sampler's sorted copies), and the widest attention-score
+        matrix (a prefill chunk or the [finished; active] window over the cache)."""
+        bl = self.bl
+        capacity = -(-(self.P + self.budget) // bl) * bl
+        emb = self.model.model.word_embeddings
+        item = 4 if (emb["scales"] if "scales" in emb else emb["weight"]).dtype == mx.float32 else 2
+        kv = args.num_hidden_layers * capacity * args.num_key_value_heads * args.head_dim * 2 * item
+        logits = 8 * bl * args.vocab_size * 4
+        rows = max(min(self.s.prefill_step_size, self.P), 2 * bl)
+        scores = 2 * args.num_attention_heads * rows * capacity * 4
+        return kv + logits + scores
 
     def set_stops(self, ids) -> None:
         self.stops = self.stop_ids = frozenset(int(i) for i in ids)
@@ -304,7 +314,7 @@ class BlockSession:
 
     def prefill(self) -> None:
         s, bl, P = self.s, self.bl, self.P
-        self.limit = P + s.max_tokens
+        self.limit = P + self.budget
         self.n_blocks = -(-self.limit // bl)
         self.next_index = P // bl  # the first block holding generated positions
         self.cache = self.model.make_cache(self.n_blocks * bl) if s.kv_cache else None
@@ -396,3 +406,6 @@ class BlockSession:
             was_active, n_active = n_active, int(counts[0])
             if was_active == 0 and counts[1] == 0:
                 return block, s, False
+
+
+Session = BlockSession

@@ -1,7 +1,7 @@
 """LLaDA-2's generation options (see dlm.runtime.options); defaults are
 applied by generate.Settings.from_options."""
 
-from ...options import BOOL, FLOAT, INT, MAX_TOKENS, PREFILL_STEP_SIZE, SEED, STR, Option
+from ...options import BOOL, FLOAT, INT, MAX_TOKENS, MEMORY_BUDGET, PREFILL_STEP_SIZE, SEED, STR, Option
 
 BLOCK_LENGTH = 32
 STEPS = 32
@@ -33,6 +33,7 @@ OPTIONS = (
     Option("reference_sampling", BOOL, "The hub 2.0 sampler, which samples even at --temp 0 (parity work).",
            request=False),
     PREFILL_STEP_SIZE,
+    MEMORY_BUDGET,
 )
 # Inputs LLaDA-2 cannot take, refused with this reason.
 REFUSED = {name: "LLaDA-2 is text-only" for name in ("image", "images", "audio", "video")}

@@ -1,0 +1,86 @@
+"""What every dlm command line shares: errors are one line, never a traceback.
+
+``Command`` and ``Group`` are click classes for dlm-convert, dlm-verify and
+dlm-run. A ``DlmError`` (bad input: it names the file, tensor, key or flag)
+prints ``error: MESSAGE`` and exits with the tool's error status; any other
+exception is a dlm bug and prints one line saying so (``DLM_DEBUG=1`` shows the
+traceback). Text the user typed is checked to be valid UTF-8 before use.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from .errors import DlmError
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def fail(message: str, code: int = 1):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _guard(invoke, self, ctx):
+    try:
+        return invoke(self, ctx)
+    except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
+        raise
+    except DlmError as exc:
+        fail(str(exc), self.error_code)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except Exception as exc:
+        if os.environ.get("DLM_DEBUG"):
+            raise
+        fail(f"internal error ({type(exc).__name__}: {exc}); this is a dlm bug, please report it "
+             "(DLM_DEBUG=1 shows the traceback)", self.error_code)
+
+
+class Command(click.Command):
+    error_code = 1
+
+    def __init__(self, *args, error_code: int = 1, **kwargs):
+        kwargs.setdefault("context_settings", CONTEXT)
+        super().__init__(*args, **kwargs)
+        self.error_code = error_code
+
+    def invoke(self, ctx):
+        return _guard(click.Command.invoke, self, ctx)
+
+
+class Group(click.Group):
+    error_code = 1
+    command_class = Command
+
+    def __init__(self, *args, error_code: int = 1, **kwargs):
+        kwargs.setdefault("context_settings", CONTEXT)
+        super().__init__(*args, **kwargs)
+        self.error_code = error_code
+
+    def invoke(self, ctx):
+        return _guard(click.Group.invoke, self, ctx)
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode (argv and JSON can carry lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DlmError(f"{what} is not valid UTF-8 text (position {exc.start})") from None
+    return text
+
+
+def read_stdin(what: str = "stdin") -> str:
+    """All of stdin, decoded as UTF-8 (strictly: invalid bytes are an error naming the offset)."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:
+        return check_text(sys.stdin.read(), what)
+    data = stream.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DlmError(f"{what} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None

@@ -1,0 +1,55 @@
+"""The memory budget of one generation, checked before anything is allocated.
+
+MLX's CPU backend dies (SIGSEGV) when an allocation fails instead of raising,
+so a request whose KV cache, canvas/block and logits cannot fit must be
+refused before the first array exists. Each family's session estimates what it
+will hold (``memory_bytes``); ``check_budget`` compares that with the budget:
+``--memory-budget`` GB, else 80% of the machine's memory less what MLX already
+holds (the model's weights).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .errors import GenerationError
+
+DEFAULT_FRACTION = 0.8
+
+
+def machine_memory_bytes() -> int:
+    """Total memory the device can use (Metal/CUDA report it; else physical RAM)."""
+    import mlx.core as mx
+
+    try:
+        size = int(mx.device_info().get("memory_size") or 0)
+    except Exception:  # older MLX, or a backend without device_info
+        size = 0
+    if size:
+        return size
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+def budget_bytes(budget_gb: Optional[float] = None) -> int:
+    if budget_gb is not None:
+        return int(budget_gb * 1e9)
+    import mlx.core as mx
+
+    return max(0, int(DEFAULT_FRACTION * machine_memory_bytes()) - mx.get_active_memory())
+
+
+def check_budget(need: int, budget_gb: Optional[float], what: str, hint: str) -> None:
+    """GenerationError when ``need`` bytes exceed the budget; ``what`` lists the
+    parts of the estimate, ``hint`` the flags that shrink it."""
+    budget = budget_bytes(budget_gb)
+    if need > budget:
+        source = "--memory-budget" if budget_gb is not None else (
+            f"{int(DEFAULT_FRACTION * 100)}% of this machine's memory less the model; set --memory-budget")
+        raise GenerationError(
+            f"this generation needs about {need / 1e9:.2f} GB ({what}), over the memory budget of "
+            f"{budget / 1e9:.2f} GB ({source}); {hint}"
+        )
