@@ -162,7 +162,7 @@ def remove_leftovers(out: Path, echo: Callable[[str], None] = print) -> None:
     if not out.parent.is_dir():
         return
     for path in sorted(out.parent.glob(f".{out.name}.dlm-*-*")):
-        kind, _, pid = path.name[len(out.name) + 1:].rpartition("-")
+        kind, _, pid = path.name[len(out.name) + 2:].rpartition("-")
         if kind not in ("dlm-partial", "dlm-old") or not pid.isdigit() or _pid_alive(int(pid)):
             continue
         if path.is_symlink() or path.is_file():

@@ -27,6 +27,16 @@ def tiny_dg_mlx_dir(tiny_dg_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llada2_mlx_dir(tmp_path_factory):
+    """A tiny random LLaDA-2 checkpoint converted by dlm-convert (float32)."""
+    from tests.builders import build_llada2, convert_dir
+
+    root = tmp_path_factory.mktemp("tiny_llada2")
+    build_llada2(root / "hf", "base")
+    return convert_dir(root / "hf", root / "f32")
+
+
+@pytest.fixture(scope="session")
 def tiny_dg_torch(tiny_dg_dir):
     """``tiny_dg_dir`` loaded by transformers (float32, eval): the reference."""
     from tests.builders import load_diffusion_gemma_hf

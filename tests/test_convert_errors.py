@@ -193,3 +193,129 @@ def test_cli_reports_errors_without_traceback(ckpt, tmp_path):
     assert "Traceback" not in res.output
     res = CliRunner().invoke(main, [str(ckpt), "--hf-path", "other/repo"])
     assert res.exit_code == 2 and "not both" in res.output
+
+
+# -- broken checkpoints that used to convert (issue: hardening) -------------------------
+
+
+def _edit_tensors(ckpt, fn):
+    from safetensors.numpy import load_file, save_file
+
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("vocab_size", "abc", r"vocab_size must be an integer, got 'abc'"),
+    ("hidden_size", 64.5, r"hidden_size must be an integer, got 64\.5"),
+    ("top_k_experts", 9, r"top_k_experts=9 exceeds num_experts=4"),
+    ("sliding_window", -4, r"sliding_window must be >= 2"),
+    ("num_experts", 0, r"num_experts must be >= 1"),
+    ("rms_norm_eps", "tiny", r"rms_norm_eps must be a finite number"),
+])
+def test_config_values_are_typed_and_range_checked(ckpt, tmp_path, key, value, match):
+    edit_config(ckpt, lambda c: c["text_config"].update({key: value}))
+    fails(ckpt, tmp_path / "out", match)
+
+
+def test_canvas_length_zero_is_refused(ckpt, tmp_path):
+    edit_config(ckpt, lambda c: c.update(canvas_length=0))
+    fails(ckpt, tmp_path / "out", r"canvas_length must be >= 1")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json"])
+def test_corrupt_json_sidecars_are_refused(ckpt, tmp_path, name):
+    (ckpt / name).write_text("{corrupt")
+    fails(ckpt, tmp_path / "out", rf"{name.replace('.', '[.]')}.*not valid JSON")
+
+
+def test_non_float_weights_are_refused_naming_the_tensor(ckpt, tmp_path):
+    import numpy as np
+
+    name = "model.decoder.layers.0.router.scale"
+    _edit_tensors(ckpt, lambda t: t.update({name: t[name].astype(np.int32)}))
+    fails(ckpt, tmp_path / "out", rf"tensor {name} has dtype I32; model weights must be floating point")
+
+
+def test_non_finite_weights_are_an_error_naming_tensor_and_count(ckpt, tmp_path):
+    import numpy as np
+
+    name = "model.decoder.layers.1.mlp.up_proj.weight"
+
+    def poison(t):
+        w = t[name].copy()
+        w[0, :3] = [np.nan, np.inf, -np.inf]
+        t[name] = w
+
+    _edit_tensors(ckpt, poison)
+    fails(ckpt, tmp_path / "out", rf"tensor {name} has 3 non-finite value\(s\)")
+    fails(ckpt, tmp_path / "q4", rf"tensor {name} has 3 non-finite", quantize=True, q_bits=4)
+    # An explicit flag downgrades it to a warning (and converts).
+    r = CliRunner().invoke(main, [str(ckpt), "-o", str(tmp_path / "kept"), "--allow-non-finite", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert f"warning: tensor {name} has 3 non-finite" in r.output
+    assert (tmp_path / "kept" / "config.json").is_file()
+
+
+def test_overlapping_tensor_byte_ranges_are_refused(ckpt, tmp_path):
+    import struct
+
+    path = ckpt / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    a, b = names[0], names[1]
+    size = header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
+    start = header[a]["data_offsets"][0]
+    if header[a]["data_offsets"][1] - start < size:  # make the overlap fit the first tensor
+        a, b = b, a
+        start = header[a]["data_offsets"][0]
+        size = header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
+    header[b]["data_offsets"] = [start, start + size]  # b now reads a's bytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (n - len(body)) if len(body) <= n else b""
+    assert len(body) == n, "the edited header must keep its length"
+    path.write_bytes(raw[:8] + body + raw[8 + n:])
+    fails(ckpt, tmp_path / "out", r"overlap in the file.*header is corrupt")
+
+
+def test_a_sidecar_linking_outside_the_checkpoint_is_refused(ckpt, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of any model")
+    (ckpt / "tokenizer.model").symlink_to(secret)
+    fails(ckpt, tmp_path / "out", r"tokenizer\.model is a symbolic link to .*secret\.txt, outside the checkpoint")
+
+
+def test_leftovers_of_killed_conversions_are_removed(ckpt, tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    out = tmp_path / "out"
+    stale = [tmp_path / f".out.dlm-partial-{dead.pid}", tmp_path / f".out.dlm-old-{dead.pid}"]
+    for d in stale:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 10)
+    alive = tmp_path / f".out.dlm-partial-{os.getpid()}-x"  # not ours: no pid suffix match
+    alive.mkdir()
+    lines = []
+    convert(ConvertOptions(source=str(ckpt), output=str(out), progress=False), echo=lines.append)
+    assert not any(d.exists() for d in stale)
+    assert alive.exists()
+    assert sum("left by an interrupted conversion" in line for line in lines) == 2
+
+
+def test_overwrite_through_a_symlinked_output_keeps_the_link(ckpt, tmp_path):
+    real = tmp_path / "models" / "tiny"
+    convert(ConvertOptions(source=str(ckpt), output=str(real), progress=False), echo=lambda s: None)
+    link = tmp_path / "tiny-link"
+    link.symlink_to(real, target_is_directory=True)
+    convert(ConvertOptions(source=str(ckpt), output=str(link), progress=False, overwrite=True,
+                           quantize=True, q_bits=4), echo=lambda s: None)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert "quantization" in json.loads((real / "config.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir() if ".dlm-" in p.name) == []
+    assert sorted(p.name for p in real.parent.iterdir() if ".dlm-" in p.name) == []
