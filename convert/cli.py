@@ -36,6 +36,7 @@ def _on_sigterm(signum, frame):  # run the cleanup path, as for Ctrl-C
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     epilog=EPILOG,
 )
+@click.version_option(package_name="dlm", prog_name="dlm-convert")
 @click.argument("source", required=False, metavar="SOURCE")
 @click.option("--hf-path", "hf_path", metavar="SOURCE",
               help="Same as SOURCE (the mlx_lm.convert / mlx_vlm.convert spelling).")

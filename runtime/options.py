@@ -50,6 +50,10 @@ class Option:
     request: bool = True  # a server request may set it (else: a serve-time default only)
     neutral: Any = None  # a value that changes nothing, accepted even where the option does not apply
     refused: Optional[str] = None  # declared only to be refused, with this reason
+    negatable: bool = False  # BOOL: a --x/--no-x pair on the command line
+    # (option, value, its default): this option takes effect only when that one
+    # has that value; setting it otherwise is an error, not a silent no-op.
+    requires: Optional[tuple[str, Any, Any]] = None
 
     @property
     def flag(self) -> str:
@@ -155,6 +159,13 @@ def resolve(own: Iterable[Option], options: dict, title: str, refused: Optional[
             continue
         why = other.refused or f"it is an option of {_owners(key)}"
         raise GenerationError(f"{other.flag} does not apply to {title} models: {why}")
+    for name in out:
+        if own[name].requires is None:
+            continue
+        other, value, default = own[name].requires
+        if out.get(other, default) != value:
+            raise GenerationError(f"{own[name].flag} takes effect only with {own[other].flag} {value} "
+                                  f"(this run uses {out.get(other, default)})")
     return out
 
 
@@ -201,7 +212,9 @@ def click_options(exclude: Iterable[str] = (), help_prefix: str = ""):
             continue
         names = [option.flag] + ([option.short] if option.short else [])
         kwargs: dict[str, Any] = dict(default=None, help=help_prefix + text)
-        if option.type == BOOL:
+        if option.type == BOOL and option.negatable:
+            names[0] = f"{option.flag}/--no-{option.flag[2:]}"
+        elif option.type == BOOL:
             kwargs["is_flag"] = True
         elif option.choices:
             kwargs["type"] = click.Choice(option.choices)
@@ -238,5 +251,7 @@ MEMORY_BUDGET = Option("memory_budget", FLOAT, "Refuse, before allocating, a gen
                        "canvas/block and logits would need more than this many GB.",
                        "80% of the machine's memory less the model", minimum=0.0, min_open=True,
                        request=False)
+SKIP_SPECIAL_TOKENS = Option("skip_special_tokens", BOOL, "Leave special tokens (<pad>, <eos>, ...) out "
+                             "of the text (--json keeps every id).", "on", negatable=True)
 PREFILL_STEP_SIZE = Option("prefill_step_size", INT, "Prompt tokens per prefill forward.", "2048",
                            minimum=1, request=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 import sys
 
 import click
@@ -56,8 +57,6 @@ def serve(model_path, host, port, api_key, queue_size, max_body_bytes, model_id,
     in a bounded queue. Generation flags set defaults for requests that do not
     set them; extra request fields carry the diffusion controls
     (max_denoising_steps, diffusion_sampler, ..., block_length, threshold)."""
-    import uvicorn
-
     from . import api
     from .server import check_options, create_app
 
@@ -76,6 +75,29 @@ def serve(model_path, host, port, api_key, queue_size, max_body_bytes, model_id,
     if not _is_loopback(host) and api_key is None:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach this port "
                    "can use the model", err=True)
-    click.echo(f"dlm-run serve: {app.state.server.model_id} at http://{host}:{port}/v1 "
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        app.state.worker.stop()
+        raise DlmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    bound = sock.getsockname()[1]  # --port 0: the port the system chose
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"dlm-run serve: {app.state.server.model_id} at http://{shown}:{bound}/v1 "
                f"(queue {queue_size}{', API key required' if api_key else ''})", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    run_server(app, sock, log_level)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket for ``host:port`` (IPv4 or IPv6), bound before the banner
+    so that the banner can name the real port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run_server(app, sock: socket.socket, log_level: str) -> None:
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])

@@ -432,7 +432,7 @@ def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
     server = _Server(loaded, defaults or {}, runtime, queue_size, model_id, max_body_bytes)
 
     async def check_key(request: Request) -> None:
-        if api_key is None:
+        if api_key is None or request.url.path == "/health":  # health probes carry no key
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),

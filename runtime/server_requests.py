@@ -10,6 +10,7 @@ a 400 as well.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -65,10 +66,28 @@ def _str(value: Any, name: str) -> str:
 OPTION_FIELDS = request_options()
 # Accepted and ignored: identify the client, not the generation.
 IGNORED_FIELDS = {"model", "user"}
-COMMON_FIELDS = (set(OPTION_FIELDS) | IGNORED_FIELDS
-                 | {"max_tokens", "stop", "stream", "stream_options", "n"})
+# Fields OpenAI front-ends send by default, with the values that change nothing:
+# those are accepted silently; any other value would change the answer in a way
+# dlm does not implement, and is refused naming the field.
+NEUTRAL_FIELDS = {
+    "n": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
+    "parallel_tool_calls": (True, False),  # with no tools, either way nothing
+    "response_format": ({"type": "text"},),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+}
+COMPLETION_NEUTRAL_FIELDS = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
+COMMON_FIELDS = (set(OPTION_FIELDS) | IGNORED_FIELDS | set(NEUTRAL_FIELDS)
+                 | {"max_tokens", "stop", "stream", "stream_options"})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL_FIELDS) | {"prompt"}
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MESSAGE_KEYS = {"role", "content", "name", "reasoning_content"}
@@ -104,13 +123,28 @@ def _check_fields(body: dict, allowed: set[str], route: str) -> None:
         raise bad(f"unsupported field(s) for {route}: {names}", unknown[0])
 
 
+def _is(value, neutral) -> bool:
+    if isinstance(neutral, bool) or isinstance(value, bool):  # False is not 0, True is not 1
+        return value is neutral
+    return value == neutral
+
+
+def _check_neutral(body: dict, table: dict) -> None:
+    for name, neutral in table.items():
+        value = body.get(name)
+        if value is not None and not any(_is(value, n) for n in neutral):
+            allowed = " or ".join(json.dumps(n) for n in neutral)
+            why = ("the server returns one choice per request" if name == "n"
+                   else "dlm-run serve does not implement it, and only a value that changes nothing is accepted")
+            raise bad(f"'{name}' must be {allowed} (got {json.dumps(value)}): {why}", name)
+
+
 def _common(body: dict, req: ParsedRequest) -> None:
     if "model" in body and body["model"] is not None:
         _str(body["model"], "model")
     if "user" in body and body["user"] is not None:
         _str(body["user"], "user")
-    if body.get("n") not in (None, 1):
-        raise bad("'n' must be 1: the server returns one choice per request", "n")
+    _check_neutral(body, NEUTRAL_FIELDS)
     for name, option in OPTION_FIELDS.items():
         if body.get(name) is not None:
             try:
@@ -226,6 +260,7 @@ def parse_completion(body: Any, caps: ModelCaps) -> ParsedRequest:
     _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
     req = ParsedRequest(kind="completion")
     _common(body, req)
+    _check_neutral(body, COMPLETION_NEUTRAL_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

@@ -184,14 +184,24 @@ def test_every_declared_option_is_accepted_by_the_api_the_cli_and_the_server(fam
         if option.refused:
             continue
         value = _sample(option)
-        gen.Settings.from_options({option.name: value}, loaded.args, loaded.generation_config)
+        # An option that takes effect only with another one's value gets it.
+        context = {option.requires[0]: option.requires[1]} if option.requires else {}
+        gen.Settings.from_options({**context, option.name: value}, loaded.args, loaded.generation_config)
         args = [option.flag] if option.type == "bool" else [option.flag, str(value)]
+        for name, required in context.items():
+            args += [next(o.flag for o in family.options() if o.name == name), str(required)]
         parsed = _cli_options(mlx_dir, args)
         assert parsed[option.name] == value, option.flag
-        gen.Settings.from_options({option.name: parsed[option.name]}, loaded.args, loaded.generation_config)
+        options = {k: parsed[k] for k in (option.name, *context)}
+        gen.Settings.from_options(options, loaded.args, loaded.generation_config)
         if option.name in fields:
-            req = parse_chat({"messages": [{"role": "user", "content": "hi"}], fields[option.name]: value}, caps)
+            body = {"messages": [{"role": "user", "content": "hi"}], fields[option.name]: value}
+            body.update({fields[k]: v for k, v in context.items()})
+            req = parse_chat(body, caps)
             gen.Settings.from_options(req.options, loaded.args, loaded.generation_config)
+        if option.requires:  # ... and alone, it is refused naming both flags
+            with pytest.raises(GenerationError, match=f"{option.flag} takes effect only with"):
+                gen.Settings.from_options({option.name: value}, loaded.args, loaded.generation_config)
 
 
 def test_a_foreign_option_is_refused_with_a_message_naming_it(family_case):

@@ -237,8 +237,12 @@ BAD_REQUESTS = [
     ("completions", {"prompt": 42}, 400, "'prompt'"),
     ("chat", {"messages": MSGS, "max_tokens": 5000}, 400, "context of 4096"),
     ("completions", {"prompt": "a" * 4095}, 400, "context of 4096"),  # + the default 8 tokens
-    ("chat", {"messages": MSGS, "frequency_penalty": 0.5, "logprobs": True}, 400,
-     "'frequency_penalty', 'logprobs'"),
+    ("chat", {"messages": MSGS, "frequency_penalty": 0.5, "logprobs": False}, 400,
+     "'frequency_penalty' must be 0 (got 0.5)"),
+    ("chat", {"messages": MSGS, "logprobs": True}, 400, "'logprobs' must be false"),
+    ("chat", {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools'"),
+    ("chat", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400, "'response_format'"),
+    ("chat", {"messages": MSGS, "made_up": 1}, 400, "unsupported field(s) for /v1/chat/completions: 'made_up'"),
     ("chat", {"messages": MSGS, "block_length": 4}, 400, "block_length"),
     ("chat", {"messages": MSGS, "stream": True, "top_k": 5}, 400, "top_k"),
     ("chat", {"messages": MSGS, "diffusion_sampler": "greedy"}, 400, "diffusion_sampler"),
@@ -437,7 +441,8 @@ def test_disconnects_while_generating_or_queued_cancel_the_request(served):
 def test_api_key_is_required_on_every_route(dg, serving):
     app = create_app(dg, DEFAULTS, api_key="sekret-key")
     with serving(app) as base:
-        for method, path in (("GET", "/health"), ("GET", "/v1/models"),
+        assert httpx.get(base + "/health").status_code == 200  # probes send no key
+        for method, path in (("GET", "/v1/models"),
                              ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret-key"}):
                 r = httpx.request(method, base + path, headers=headers, json={"messages": MSGS})
@@ -471,20 +476,24 @@ def test_serve_takes_generates_generation_flags():
 
 
 def test_serve_command_binds_loopback_and_checks_defaults(dg_paths, monkeypatch):
-    import uvicorn
     from click.testing import CliRunner
 
+    from dlm.runtime import serve_cli
     from dlm.runtime.cli import main
 
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    monkeypatch.setattr(serve_cli, "run_server", lambda app, sock, level: calls.append((app, sock)))
     model = str(dg_paths["tiny-dg"])
-    result = CliRunner().invoke(main, ["serve", "--model", model, "--max-tokens", "8",
+    result = CliRunner().invoke(main, ["serve", "--model", model, "--max-tokens", "8", "--port", "0",
                                        "--max-denoising-steps", "3", "--thinking"])
     assert result.exit_code == 0, result.output
-    app, kw = calls[0]
+    app, sock = calls[0]
     app.state.worker.stop()
-    assert (kw["host"], kw["port"]) == ("127.0.0.1", 8080)
+    host, port = sock.getsockname()[:2]
+    sock.close()
+    assert host == "127.0.0.1" and port > 0  # loopback by default; --port 0 picks a free port
+    assert f"at http://127.0.0.1:{port}/v1" in result.output  # the banner names the bound port
+    assert {p.name: p.default for p in serve_cli.serve.params}["port"] == 8080
     server = app.state.server
     assert server.defaults == {"max_tokens": 8, "max_denoising_steps": 3}
     assert server.enable_thinking and server.model_id == "tiny-dg"

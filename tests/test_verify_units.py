@@ -128,7 +128,7 @@ def f32(tiny_dg_dir, tmp_path_factory):
 
 
 def test_error_when_reference_cannot_be_loaded(f32, tmp_path):
-    r = _cli(["--parity", str(f32), "--reference", str(tmp_path / "missing"), "-q"])
+    r = _cli(["--parity", str(f32), "--reference", str(tmp_path / "missing"), "--quiet"])
     assert r.exit_code == 2 and r.output.startswith("error: ") and "Traceback" not in r.output
     # A directory without safetensors (pickles are never loaded).
     pickled = tmp_path / "pickled"
@@ -137,7 +137,7 @@ def test_error_when_reference_cannot_be_loaded(f32, tmp_path):
         if f.suffix != ".safetensors":
             shutil.copy(f, pickled / f.name)
     (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
-    r = _cli(["--parity", str(f32), "--reference", str(pickled), "-q"])
+    r = _cli(["--parity", str(f32), "--reference", str(pickled), "--quiet"])
     assert r.exit_code == 2 and "safetensors" in r.output
 
 
@@ -147,7 +147,7 @@ def test_error_without_recorded_source(f32, tmp_path):
     cfg = json.loads((model / "config.json").read_text())
     cfg.pop("dlm")
     (model / "config.json").write_text(json.dumps(cfg))
-    r = _cli([str(model), "-q"])
+    r = _cli([str(model), "--quiet"])
     assert r.exit_code == 2 and "--reference" in r.output
 
 
@@ -160,14 +160,14 @@ def test_error_on_incompatible_bundle_and_bad_flags(f32, tmp_path):
     assert len(doc["prompts"]) == 2 and doc["prompts"][1] == [2, 40, 41, 42]
     doc["config"]["text_config"]["vocab_size"] = 1024
     (bundle / "bundle.json").write_text(json.dumps(doc))
-    r = _cli([str(f32), "--bundle", str(bundle), "-q"])
+    r = _cli([str(f32), "--bundle", str(bundle), "--quiet"])
     assert r.exit_code == 2 and "vocab_size" in r.output
     fake = tmp_path / "fake"
     fake.mkdir()
     (fake / "bundle.json").write_text(json.dumps({"format": "something-else"}))
-    r = _cli([str(f32), "--bundle", str(fake), "-q"])
+    r = _cli([str(f32), "--bundle", str(fake), "--quiet"])
     assert r.exit_code == 2 and "not a dlm-verify bundle" in r.output
-    r = _cli([str(f32), "--bundle", str(fake), "--reference", "x/y", "-q"])
+    r = _cli([str(f32), "--bundle", str(fake), "--reference", "x/y", "--quiet"])
     assert r.exit_code == 2 and "exclusive" in r.output
     r = _cli([])
     assert r.exit_code == 2 and "--parity" in r.output
@@ -219,7 +219,7 @@ def test_drift_check_flags_extra_denoising_steps():
 
 def test_error_when_reference_is_another_family(f32, tmp_path):
     build_llada2(tmp_path / "llada2")
-    r = _cli([str(f32), "--reference", str(tmp_path / "llada2"), "-q"])
+    r = _cli([str(f32), "--reference", str(tmp_path / "llada2"), "--quiet"])
     assert r.exit_code == 2 and "llada2_moe" in r.output and "diffusion_gemma" in r.output
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from dlm.runtime.errors import ConfigError, DlmError
 
 from .protocol import BlockTrace, CommitStream, LogitCase
+from .report import umask_mode
 
 FORMAT = "dlm-verify-bundle"
 VERSION = 1
@@ -130,6 +131,7 @@ def save(bundle: Bundle, out: Path) -> Path:
         doc["matched"] = _put_run(arrays, "matched/", bundle.matched)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(umask_mode(directory=True))  # mkdtemp is owner-only; bundles are shared
     try:
         save_file(arrays, str(tmp / "arrays.safetensors"))
         (tmp / "bundle.json").write_text(json.dumps(doc, indent=1, default=_json_default))

@@ -50,7 +50,7 @@ def _common(f):
                      help="Allow checkpoint code (never run otherwise)."),
         click.option("--torch-threads", type=click.IntRange(1), default=None,
                      help="torch CPU threads (1 is often fastest for small models)."),
-        click.option("-q", "--quiet", is_flag=True, help="No progress bars."),
+        click.option("--quiet", is_flag=True, help="No progress lines on stderr."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -65,7 +65,7 @@ def _setup(torch_threads, quiet) -> bool:
             torch.set_num_threads(torch_threads)
         except ImportError:
             pass
-    return not quiet and sys.stderr.isatty()
+    return not quiet  # a bar on a terminal, plain lines otherwise (suite._tqdm)
 
 
 def _fail(exc: Exception, code: int = 2):
@@ -74,6 +74,7 @@ def _fail(exc: Exception, code: int = 2):
 
 
 @click.group(cls=_Group, invoke_without_command=True, error_code=2)
+@click.version_option(package_name="dlm", prog_name="dlm-verify")
 @click.option("--parity", "mlx_dir", type=click.Path(file_okay=False),
               help="Converted MLX model directory to verify.")
 @click.option("--reference", help="Original checkpoint: Hub repo id or directory "

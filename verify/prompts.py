@@ -26,9 +26,11 @@ def read_prompts_file(path: str | Path) -> list[dict]:
     """One prompt per line: plain text, or JSON {"prompt": str} | {"messages": [...]} | {"ids": [...]}."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read prompts ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte offset {exc.start})") from None
     out = []
     for n, line in enumerate(lines, 1):
         line = line.strip()
@@ -39,7 +41,7 @@ def read_prompts_file(path: str | Path) -> list[dict]:
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{n}: invalid JSON ({exc})") from None
-            if not any(k in item for k in ("prompt", "messages", "ids")):
+            if not isinstance(item, dict) or not any(k in item for k in ("prompt", "messages", "ids")):
                 raise ConfigError(f"{path}:{n}: expected a 'prompt', 'messages' or 'ids' key")
             if "ids" in item and not all(isinstance(i, int) for i in item["ids"]):
                 raise ConfigError(f"{path}:{n}: 'ids' must be a list of integers")

@@ -77,6 +77,8 @@ class Report:
         )
 
     def write_json(self, path) -> None:
+        """Atomically (temporary sibling, then rename), with the usual umask mode
+        (mkstemp alone would leave it owner-only)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -84,6 +86,7 @@ class Report:
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_dict(), f, indent=2, default=_default)
                 f.write("\n")
+            os.chmod(tmp, umask_mode(directory=False))
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -198,3 +201,10 @@ def _default(x):
     except ImportError:  # pragma: no cover
         pass
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def umask_mode(directory: bool) -> int:
+    """The mode a plain open()/mkdir() would give under the current umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask

@@ -9,13 +9,14 @@ adapter (``dlm.verify.protocol``) does the model-specific work.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from dlm.runtime.errors import ConfigError, DlmError
 from dlm.runtime.checkpoint import read_json
+from dlm.runtime.errors import ConfigError, DlmError
 from dlm.runtime.registry import family_for_config
 
 from . import bundle as B
@@ -45,11 +46,29 @@ class Options:
 
 
 def _tqdm(iterable, desc: str, enabled: bool, total: Optional[int] = None):
+    """Progress on stderr: a tqdm bar on a terminal, else plain lines (one every
+    few seconds, with an ETA, and one with the time taken), so a log shows where
+    a long run is."""
     if not enabled:
         return iterable
-    from tqdm import tqdm
+    if sys.stderr.isatty():
+        from tqdm import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+        return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+    return _lines(iterable, desc, total if total is not None else len(iterable))
+
+
+def _lines(iterable, desc: str, total: int, every: float = 5.0):
+    start = last = time.perf_counter()
+    print(f"{desc}: 0/{total}", file=sys.stderr, flush=True)
+    for i, item in enumerate(iterable, 1):
+        yield item
+        now = time.perf_counter()
+        if now - last >= every and i < total:
+            eta = (now - start) / i * (total - i)
+            print(f"{desc}: {i}/{total} ({now - start:.0f} s, ETA {eta:.0f} s)", file=sys.stderr, flush=True)
+            last = now
+    print(f"{desc}: {total}/{total} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _text_config(config: dict) -> dict:

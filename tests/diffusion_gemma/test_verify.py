@@ -133,7 +133,7 @@ def test_cli_report_and_model_card(conversions, reference_bundle, tmp_path):
     report_path = tmp_path / "out" / "report.json"
     result = CliRunner().invoke(main, [
         "--parity", str(model), "--bundle", str(reference_bundle), "--report", str(report_path),
-        "--update-card", "--thresholds", str(thresholds), "--steps", "8", "--stream-prompts", "1", "-q",
+        "--update-card", "--thresholds", str(thresholds), "--steps", "8", "--stream-prompts", "1", "--quiet",
     ])
     assert result.exit_code == 0, result.output
     assert "RESULT: PASS" in result.output and "implementation" in result.output
@@ -149,7 +149,7 @@ def test_cli_report_and_model_card(conversions, reference_bundle, tmp_path):
     # Rerun replaces the section instead of appending a second one.
     again = CliRunner().invoke(main, [str(model), "--bundle", str(reference_bundle), "--update-card",
                                       "--thresholds", str(thresholds), "--steps", "8",
-                                      "--stream-prompts", "1", "--no-implementation", "-q"])
+                                      "--stream-prompts", "1", "--no-implementation", "--quiet"])
     assert again.exit_code == 0, again.output
     assert (model / "README.md").read_text().count("<!-- dlm-verify:begin -->") == 1
 

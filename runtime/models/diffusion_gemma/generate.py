@@ -54,6 +54,7 @@ class Settings:
     eos_token_ids: list[int] = field(default_factory=lambda: [1])
     prefill_step_size: int = 2048
     memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.memory)
+    skip_special_tokens: bool = True
 
     @classmethod
     def from_options(cls, options: dict, args, generation_config: dict) -> "Settings":
@@ -99,6 +100,7 @@ class Settings:
             eos_token_ids=eos,
             prefill_step_size=options.get("prefill_step_size", 2048),
             memory_budget=options.get("memory_budget"),
+            skip_special_tokens=options.get("skip_special_tokens", True),
         )
 
 
@@ -121,7 +123,6 @@ class CanvasSession:
     cache, draw a canvas, denoise it (canvas.py), commit its argmax."""
 
     block_name = "canvas"
-    skip_special_tokens = False  # channel and tool-call markers are special tokens
 
     def __init__(self, loaded, prompt_ids: list[int], settings: Settings,
                  cancel: Optional[Callable[[], bool]] = None, on_step: Optional[StepHook] = None):
@@ -129,6 +130,9 @@ class CanvasSession:
         self.prompt_ids = [int(t) for t in prompt_ids]
         check_prompt(self.prompt_ids, args)
         self.settings, self.cancel, self.on_step = settings, cancel, on_step
+        # The thinking channel is split on ids before decoding, so skipping
+        # special tokens never loses its markers.
+        self.skip_special_tokens = settings.skip_special_tokens
         self.budget = min(settings.max_tokens, args.max_position_embeddings - len(self.prompt_ids))
         self.stop_ids = frozenset(settings.eos_token_ids)
         self.denoise = replace(settings.denoise, sc_dtype=self.model.dtype)

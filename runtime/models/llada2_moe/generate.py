@@ -99,6 +99,7 @@ class Settings:
     max_post_steps: int = MAX_POST_STEPS
     prefill_step_size: int = PREFILL_STEP  # prompt tokens per prefill forward (rounded to blocks)
     memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.memory)
+    skip_special_tokens: bool = True
     # Internal switches (parity suite and tests; not CLI flags).
     kv_cache: bool = True
     suppress_mask: bool = True  # never sample the mask token (the hub does not exclude it)
@@ -130,6 +131,7 @@ class Settings:
             max_post_steps=options.get("max_post_steps", g.int("max_post_steps", MAX_POST_STEPS, minimum=0)),
             prefill_step_size=options.get("prefill_step_size", PREFILL_STEP),
             memory_budget=options.get("memory_budget"),
+            skip_special_tokens=options.get("skip_special_tokens", True),
         )
         if options.get("editing_threshold") is not None:
             s.editing_threshold = float(options["editing_threshold"])
@@ -210,10 +212,10 @@ class BlockSession:
     (2.0) or drafted and edited (2.1)."""
 
     block_name = "block"
-    skip_special_tokens = True
 
     def __init__(self, loaded, prompt_ids, s: Settings, cancel: Optional[Callable[[], bool]] = None):
         self.model, self.s, self.cancel = loaded.model, s, cancel
+        self.skip_special_tokens = s.skip_special_tokens
         self.prompt = prompt_ids
         self.P, self.bl = len(prompt_ids), s.block_length
         vocab = loaded.args.vocab_size

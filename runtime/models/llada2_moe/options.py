@@ -1,7 +1,8 @@
 """LLaDA-2's generation options (see dlm.runtime.options); defaults are
 applied by generate.Settings.from_options."""
 
-from ...options import BOOL, FLOAT, INT, MAX_TOKENS, MEMORY_BUDGET, PREFILL_STEP_SIZE, SEED, STR, Option
+from ...options import (BOOL, FLOAT, INT, MAX_TOKENS, MEMORY_BUDGET, PREFILL_STEP_SIZE, SEED,
+                        SKIP_SPECIAL_TOKENS, STR, Option)
 
 BLOCK_LENGTH = 32
 STEPS = 32
@@ -32,6 +33,7 @@ OPTIONS = (
            str(MAX_POST_STEPS), minimum=0),
     Option("reference_sampling", BOOL, "The hub 2.0 sampler, which samples even at --temp 0 (parity work).",
            request=False),
+    SKIP_SPECIAL_TOKENS,
     PREFILL_STEP_SIZE,
     MEMORY_BUDGET,
 )

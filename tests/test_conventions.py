@@ -1,0 +1,117 @@
+"""What users of mlx-lm, mlx-vlm and the OpenAI API expect of dlm's three tools."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import httpx
+import openai
+import pytest
+from click.testing import CliRunner
+
+from dlm.convert.cli import main as convert_main
+from dlm.runtime import api
+from dlm.runtime.cli import main as run_main
+from dlm.runtime.server import create_app
+from dlm.verify.cli import main as verify_main
+from tests import ROOT
+
+DEMO = ROOT / "demo" / "diffusion_gemma_sort"
+TOOLS = {"dlm-convert": convert_main, "dlm-verify": verify_main, "dlm-run": run_main}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_help_and_version_everywhere(tool):
+    for flag in ("-h", "--help"):
+        r = CliRunner().invoke(TOOLS[tool], [flag])
+        assert r.exit_code == 0 and "Usage:" in r.output, (tool, flag)
+    r = CliRunner().invoke(TOOLS[tool], ["--version"])
+    assert r.exit_code == 0 and tool in r.output and "version" in r.output
+
+
+def test_subcommands_take_h_too():
+    for sub in ("generate", "serve"):
+        r = CliRunner().invoke(run_main, [sub, "-h"])
+        assert r.exit_code == 0 and "Usage:" in r.output
+    r = CliRunner().invoke(verify_main, ["record", "-h"])
+    assert r.exit_code == 0 and "Usage:" in r.output
+
+
+def test_one_meaning_per_short_flag():
+    """A short flag means the same in every tool that has it (-q: quantize, as in mlx_lm.convert)."""
+    meaning: dict[str, set[str]] = {}
+
+    def walk(cmd):
+        for p in cmd.params:
+            for opt in getattr(p, "opts", []) + getattr(p, "secondary_opts", []):
+                if len(opt) == 2 and opt.startswith("-"):
+                    meaning.setdefault(opt, set()).add(p.name)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    for cmd in TOOLS.values():
+        walk(cmd)
+    clashes = {k: v for k, v in meaning.items() if len(v) > 1}
+    assert not clashes, clashes
+
+
+def _generate(args):
+    r = CliRunner().invoke(run_main, ["generate", "--model", str(DEMO), "--prompt", "sort 3",
+                                      "--max-tokens", "8", "--seed", "0", "--json", *args])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_special_tokens_are_left_out_of_the_text_by_default():
+    out = _generate([])
+    kept = _generate(["--no-skip-special-tokens"])
+    assert out["token_ids"] == kept["token_ids"]  # the ids are the same either way
+    assert 0 in out["token_ids"]  # this prompt commits <pad> after its answer
+    assert "<pad>" in kept["text"] and "<pad>" not in out["text"]
+    assert kept["text"].replace("<pad>", "") == out["text"]
+
+
+def test_a_flag_that_cannot_take_effect_is_an_error():
+    r = CliRunner().invoke(run_main, ["generate", "--model", str(DEMO), "--prompt", "x",
+                                      "--diffusion-threshold", "0.5"])
+    assert r.exit_code == 1
+    assert "error: --diffusion-threshold takes effect only with --diffusion-sampler confidence-threshold" in r.output
+    r = CliRunner().invoke(run_main, ["generate", "--model", str(DEMO), "--prompt", "sort 21", "--max-tokens", "4",
+                                      "--diffusion-sampler", "confidence-threshold", "--diffusion-threshold", "0.5"])
+    assert r.exit_code == 0, r.output
+
+
+def test_openai_clients_default_fields_are_accepted(serving):
+    loaded = api.load(DEMO)
+    app = create_app(loaded, {"max_tokens": 8, "seed": 0}, api_key="k")
+    with serving(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "sort 31"}]
+        plain = client.chat.completions.create(model="m", messages=msgs)
+        neutral = client.chat.completions.create(
+            model="m", messages=msgs, presence_penalty=0, frequency_penalty=0, logprobs=False, n=1,
+            user="someone", response_format={"type": "text"}, tools=[], tool_choice="auto",
+            parallel_tool_calls=True, logit_bias={}, store=False)
+        assert neutral.choices[0].message.content == plain.choices[0].message.content != ""
+        with pytest.raises(openai.BadRequestError, match="'presence_penalty' must be 0"):
+            client.chat.completions.create(model="m", messages=msgs, presence_penalty=0.5)
+        text = client.completions.create(model="m", prompt="sort 31", echo=False, best_of=1)
+        assert text.choices[0].text is not None
+        # Health probes carry no key; the API does.
+        assert httpx.get(base + "/health").status_code == 200
+        assert httpx.get(base + "/v1/models").status_code == 401
+
+
+def test_verify_shows_progress_and_writes_files_with_the_usual_mode(tiny_dg_mlx_dir, tiny_dg_dir, tmp_path):
+    report = tmp_path / "report.json"
+    r = CliRunner().invoke(verify_main, [str(tiny_dg_mlx_dir), "--reference", str(tiny_dg_dir), "--report",
+                                         str(report), "--steps", "4", "--stream-prompts", "1",
+                                         "--torch-threads", "1"])
+    assert r.exit_code in (0, 1), r.output
+    # Not a terminal: plain progress lines on stderr, with the time each part took.
+    assert "reference: logits: 0/" in r.stderr and "done in" in r.stderr, r.stderr
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(report.stat().st_mode) == 0o666 & ~mask
