@@ -61,10 +61,13 @@ def _on_sigterm(signum, frame):  # run the cleanup path, as for Ctrl-C
               help="Drop the vision tower and write a text-only config.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--dequantize", is_flag=True,
+              help="SOURCE is an MLX conversion (dlm, mlx-community): write it back in float "
+                   "(with --q-bits: re-quantize it).")
 @click.option("--allow-non-finite", is_flag=True,
               help="Convert weights holding NaN/Inf with a warning (default: an error naming the tensor).")
 def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe, dtype, revision,
-         text_only, overwrite, no_progress, allow_non_finite):
+         text_only, overwrite, no_progress, dequantize, allow_non_finite):
     """Convert a Hugging Face checkpoint to MLX safetensors, optionally quantized.
 
     SOURCE is a Hugging Face Hub repo id (org/name) or a local checkpoint
@@ -95,6 +98,7 @@ def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe
         overwrite=overwrite,
         progress=not no_progress,
         allow_non_finite=allow_non_finite,
+        dequantize=dequantize,
     )
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

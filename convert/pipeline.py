@@ -12,6 +12,7 @@ looks like a finished model.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from ..quantize.modes import module_quantization
 from ..quantize.recipes import Decision, Recipe, bits_per_weight, config_block, decide, make_spec
 from ..runtime.checkpoint import check_tokenizer, read_config, read_json
 from ..runtime.errors import ConfigError, WeightError
@@ -64,6 +66,7 @@ class ConvertOptions:
     max_shard_bytes: int = MAX_SHARD_BYTES
     progress: bool = True
     allow_non_finite: bool = False  # NaN/Inf weights: a warning instead of an error
+    dequantize: bool = False  # the source is an MLX conversion: write it back in float (then --q-* apply)
 
 
 @dataclass
@@ -349,7 +352,19 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
         check_tokenizer(src.path)
         text_only = opts.text_only or not config.get("vision_config")
         with CheckpointReader(src.path) as reader:
-            plans = module.plan_weights(args, reader.metadata(), opts.text_only)
+            kind = mlx_conversion(config, reader.metadata())
+            if opts.dequantize:
+                if kind is None:
+                    raise ConfigError(f"--dequantize takes an MLX conversion; {src.display} is a Hugging Face "
+                                      "checkpoint (convert it without --dequantize)")
+                plans = dequantize_plans(config, reader.metadata())
+            elif kind is not None:
+                raise ConfigError(
+                    f"{src.display} is {kind}, not a Hugging Face checkpoint: it runs as it is "
+                    f"(dlm-run generate --model {src.display}); --dequantize converts it back to a float "
+                    "MLX model (and --q-bits on top of that re-quantizes it)")
+            else:
+                plans = module.plan_weights(args, reader.metadata(), opts.text_only)
             jobs = plan_jobs(plans, reader, recipe, module.quant_class, dtype)
             shards = plan_shards([j.outputs for j in jobs], opts.max_shard_bytes)
             need, free = shards_total_bytes(shards), shutil.disk_usage(tmp).free
@@ -418,16 +433,62 @@ def _output_config(module, config: dict, opts: ConvertOptions, recipe: Optional[
         block = config_block(recipe, decisions)
         out["quantization"] = block
         out["quantization_config"] = dict(block)
+    origin = config.get("dlm") if opts.dequantize and isinstance(config.get("dlm"), dict) else {}
     out["dlm"] = {
-        "source": src.repo_id or str(src.path),
-        "revision": src.revision,
-        "commit": src.commit,
+        # A dequantized conversion keeps its original source: dlm-verify's reference.
+        "source": origin.get("source") or src.repo_id or str(src.path),
+        "revision": origin.get("revision") if origin else src.revision,
+        "commit": origin.get("commit") if origin else src.commit,
         "dlm_version": dlm_version(),
         "recipe": recipe.as_dict() if recipe else None,
         "dtype": opts.dtype,
         "text_only": text_only,
     }
+    if opts.dequantize:
+        out["dlm"]["dequantized_from"] = src.repo_id or str(src.path)
     return out
+
+
+# -- MLX conversions as sources ------------------------------------------------------
+
+
+def mlx_conversion(config: dict, tensors: dict) -> Optional[str]:
+    """What kind of MLX conversion a source is, or None for a Hugging Face checkpoint."""
+    if isinstance(config.get("quantization"), dict) or any(n.endswith(".scales") for n in tensors):
+        return "a quantized MLX conversion"
+    if isinstance(config.get("dlm"), dict):
+        return "a dlm conversion"
+    return None
+
+
+def _dequantize(arrays, group_size: int, bits: int, mode: str):
+    w, scales, *biases = arrays
+    return mx.dequantize(w, scales, biases[0] if biases else None, group_size=group_size, bits=bits, mode=mode)
+
+
+def dequantize_plans(config: dict, tensors: dict) -> list[TensorPlan]:
+    """An MLX conversion back to float, tensor by tensor: each quantized module's
+    packed weight + scales (+ biases) dequantized with the parameters its
+    quantization block gives it; every other tensor as it is."""
+    q = config.get("quantization") or config.get("quantization_config") or {}
+    plans = []
+    for name in tensors:
+        module, _, part = name.rpartition(".")
+        if part in ("scales", "biases") and f"{module}.scales" in tensors:
+            continue
+        if part == "weight" and f"{module}.scales" in tensors:
+            has_biases = f"{module}.biases" in tensors
+            try:
+                params = module_quantization(q, module, has_biases)
+            except ValueError as exc:
+                raise ConfigError(f"config.json quantization of {module}: {exc}") from None
+            if params is None:
+                raise ConfigError(f"{module} is stored quantized but config.json marks it unquantized")
+            sources = (name, f"{module}.scales") + ((f"{module}.biases",) if has_biases else ())
+            plans.append(TensorPlan(name, sources, combine=functools.partial(_dequantize, **params)))
+        else:
+            plans.append(TensorPlan(name, (name,)))
+    return plans
 
 
 def _inside_checkpoint(path: Path, src: Path) -> bool:

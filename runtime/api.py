@@ -45,9 +45,10 @@ class GenerationResult:
         }
 
 
-def load(path, *, trust_remote_code: bool = False) -> LoadedModel:
-    """Load a converted MLX directory (or an mlx-community / HF checkpoint of a supported family)."""
-    return _load(path, trust_remote_code=trust_remote_code)
+def load(path, *, trust_remote_code: bool = False, revision: Optional[str] = None) -> LoadedModel:
+    """Load a converted MLX directory or Hub repo id (dlm or mlx-community
+    conversions, or an HF checkpoint of a supported family)."""
+    return _load(path, trust_remote_code=trust_remote_code, revision=revision)
 
 
 def encode_prompt(

@@ -52,7 +52,9 @@ def _profile_lines(stats) -> list[str]:
 
 
 @main.command()
-@click.option("--model", "model_path", required=True, help="Converted MLX model directory.")
+@click.option("--model", "model_path", required=True,
+              help="Converted MLX model: a directory or a Hub repo id (org/name, fetched into the HF cache).")
+@click.option("--revision", default=None, metavar="REV", help="Hub branch, tag or commit (repo ids only).")
 @click.option("--prompt", "-p", default=None, help="Prompt text ('-' or omitted: read stdin).")
 @click.option("--prompt-ids", default=None, help="Comma-separated prompt token ids (parity work); "
               "no chat template is applied.")
@@ -68,7 +70,7 @@ def _profile_lines(stats) -> list[str]:
 @click.option("--profile", is_flag=True, help="Print throughput, steps per canvas and peak memory to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code.")
-def generate(model_path, prompt, prompt_ids, system, chat_template, thinking, image, audio, video,
+def generate(model_path, revision, prompt, prompt_ids, system, chat_template, thinking, image, audio, video,
              profile, as_json, trust_remote_code, **options):
     """Generate text with a converted model.
 
@@ -82,7 +84,7 @@ def generate(model_path, prompt, prompt_ids, system, chat_template, thinking, im
         ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
         if ids is not None and prompt is not None:
             raise click.UsageError("give --prompt or --prompt-ids, not both")
-        loaded = api.load(model_path, trust_remote_code=trust_remote_code)
+        loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision)
         if image:
             kind = "a text-only model" if loaded.args.text_only else "dlm-run (text-only runtime)"
             raise DlmError(f"image input is not supported by {kind}: {model_path}")

@@ -26,6 +26,7 @@ class LoadedModel:
     model: Any  # the family's mlx.nn.Module
     tokenizer: Any
     generation_config: dict = field(default_factory=dict)
+    source: str = ""  # what the user named: the directory or the Hub repo id
 
 
 def load_weights(path: Path) -> dict:
@@ -68,24 +69,15 @@ def apply_quantization(model, q: dict, weights: dict) -> None:
     """
     import mlx.nn as nn
 
-    default = {
-        "group_size": q.get("group_size"), "bits": q.get("bits"), "mode": q.get("mode", "affine"),
-    }
+    from ..quantize.modes import module_quantization
 
     def predicate(path: str, module) -> Any:
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        override = q.get(path)
-        if override is False:
+        params = module_quantization(q, path, f"{path}.biases" in weights)
+        if params is None:
             raise WeightError(f"{path}.scales is stored but config.json marks {path} unquantized")
-        if isinstance(override, dict):
-            mode = override.get("mode") or ("affine" if f"{path}.biases" in weights else default["mode"])
-            return {
-                "group_size": override.get("group_size", default["group_size"]),
-                "bits": override.get("bits", default["bits"]),
-                "mode": mode,
-            }
-        return dict(default)
+        return params
 
     try:
         nn.quantize(model, class_predicate=predicate)
@@ -134,13 +126,28 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
         raise ConfigError(f"{path}: cannot load the tokenizer: {exc}") from None
 
 
-def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True) -> LoadedModel:
-    """Load a model directory (see module docstring)."""
+def resolve_model(source, revision: Optional[str] = None) -> Path:
+    """A model directory, or a Hub repo id fetched into the standard Hugging Face
+    cache (only the files a model needs; ``HF_HUB_OFFLINE=1`` reads the cache
+    alone), as mlx-lm does. The same resolver as dlm-convert's."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    text = str(source)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise ConfigError(f"{path}: not a directory (and not a Hub repo id org/name)")
+    from ..convert.source import resolve_source
+
+    return resolve_source(text, revision=revision).path
+
+
+def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
+         revision: Optional[str] = None) -> LoadedModel:
+    """Load a model directory or Hub repo id (see module docstring)."""
     import mlx.core as mx
 
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"{path}: not a directory")
+    source = str(path)
+    path = resolve_model(path, revision)
     config = read_json(path / "config.json", "config.json")
     family = family_for_config(config, str(path / "config.json"))
     try:
@@ -167,7 +174,7 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True) -> Lo
 
     generation_config = read_generation_config(path, config)
     tok = load_tokenizer(path, trust_remote_code) if tokenizer else None
-    return LoadedModel(path, config, args, family, model, tok, generation_config)
+    return LoadedModel(path, config, args, family, model, tok, generation_config, source)
 
 
 __all__ = ["LoadedModel", "load", "DlmError"]

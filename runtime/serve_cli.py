@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from pathlib import Path
 import sys
 
 import click
@@ -31,7 +32,9 @@ def _is_loopback(host: str) -> bool:
 
 
 @click.command("serve", cls=Command)
-@click.option("--model", "model_path", required=True, help="Converted MLX model directory.")
+@click.option("--model", "model_path", required=True,
+              help="Converted MLX model: a directory or a Hub repo id (org/name, fetched into the HF cache).")
+@click.option("--revision", default=None, metavar="REV", help="Hub branch, tag or commit (repo ids only).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to bind (loopback unless you choose otherwise).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
@@ -48,7 +51,7 @@ def _is_loopback(host: str) -> bool:
 @click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code.")
 @_generation_options
 @_thinking
-def serve(model_path, host, port, api_key, queue_size, max_body_bytes, model_id, log_level,
+def serve(model_path, revision, host, port, api_key, queue_size, max_body_bytes, model_id, log_level,
           trust_remote_code, thinking, **options):
     """Serve a converted model behind an OpenAI-compatible API.
 
@@ -65,8 +68,10 @@ def serve(model_path, host, port, api_key, queue_size, max_body_bytes, model_id,
         raise click.BadParameter("the API key is empty (a client could authenticate with no token); "
                                  "give a real key or none", param_hint="--api-key / DLM_API_KEY")
     try:
-        loaded = api.load(model_path, trust_remote_code=trust_remote_code)
+        loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision)
         check_options(loaded, defaults)  # refuse flags the family does not take, now
+        if model_id is None and not Path(loaded.source).expanduser().is_dir():
+            model_id = loaded.source  # a Hub repo id names the model better than its snapshot hash
         app = create_app(loaded, {**defaults, "enable_thinking": thinking}, api_key=api_key,
                          queue_size=queue_size, model_id=model_id, max_body_bytes=max_body_bytes)
     except DlmError as exc:

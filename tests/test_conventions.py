@@ -115,3 +115,51 @@ def test_verify_shows_progress_and_writes_files_with_the_usual_mode(tiny_dg_mlx_
     mask = os.umask(0)
     os.umask(mask)
     assert stat.S_IMODE(report.stat().st_mode) == 0o666 & ~mask
+
+
+def test_dlm_run_takes_a_hub_repo_id_from_the_offline_cache(tiny_dg_mlx_dir, tmp_path, monkeypatch):
+    from tests.builders import install_in_hf_cache
+
+    cache = tmp_path / "hub"
+    install_in_hf_cache(tiny_dg_mlx_dir, cache, "mlx-community/tiny-dg-4bit", revision="b" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    args = ["--prompt-ids", "2,10,11", "--max-tokens", "4", "--max-denoising-steps", "2", "--seed", "1", "--json"]
+    by_id = CliRunner().invoke(run_main, ["generate", "--model", "mlx-community/tiny-dg-4bit", *args])
+    assert by_id.exit_code == 0, by_id.output
+    by_dir = CliRunner().invoke(run_main, ["generate", "--model", str(tiny_dg_mlx_dir), *args])
+    assert json.loads(by_id.stdout)["token_ids"] == json.loads(by_dir.stdout)["token_ids"]
+    missing = CliRunner().invoke(run_main, ["generate", "--model", "mlx-community/not-cached", *args])
+    assert missing.exit_code == 1 and "HF_HUB_OFFLINE" in missing.output and "Traceback" not in missing.output
+
+
+def test_reconverting_an_mlx_conversion_says_so_and_dequantize_goes_back_to_float(tiny_dg_dir, tmp_path):
+    import mlx.core as mx
+    import numpy as np
+
+    from tests.builders import convert_dir, dequantized_twin
+
+    q4 = convert_dir(tiny_dg_dir, tmp_path / "q4", quantize=True, q_bits=4)
+    r = CliRunner().invoke(convert_main, [str(q4), "-o", str(tmp_path / "again"), "--no-progress"])
+    assert r.exit_code == 1 and "is a quantized MLX conversion, not a Hugging Face checkpoint" in r.output
+    assert "--dequantize" in r.output and not (tmp_path / "again").exists()
+
+    r = CliRunner().invoke(convert_main, [str(q4), "-o", str(tmp_path / "float"), "--dequantize", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    twin = dequantized_twin(q4, tmp_path / "twin")  # the tests' own dequantization
+    ours = {}
+    for f in (tmp_path / "float").glob("*.safetensors"):
+        ours.update(mx.load(str(f)))
+    theirs = mx.load(str(twin / "model.safetensors"))
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert np.array_equal(np.array(ours[name].astype(mx.float32)), np.array(theirs[name].astype(mx.float32))), name
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    assert "quantization" not in config and config["dlm"]["source"] == str(tiny_dg_dir.resolve())
+    assert config["dlm"]["dequantized_from"] == str(q4.resolve())
+    # ... and --q-bits on top re-quantizes it; the result runs.
+    r = CliRunner().invoke(convert_main, [str(q4), "-o", str(tmp_path / "q8"), "--dequantize", "--q-bits", "8",
+                                          "--no-progress"])
+    assert r.exit_code == 0, r.output
+    loaded = api.load(tmp_path / "q8")
+    assert api.generate(loaded, [2, 10, 11], {"max_tokens": 4, "max_denoising_steps": 2, "seed": 0}).token_ids

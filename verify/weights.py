@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlm.quantize.modes import mode_defaults
+from dlm.quantize.modes import module_quantization
 from dlm.runtime.checkpoint import weight_files
 from dlm.runtime.errors import ConfigError, WeightError
 
@@ -50,21 +50,14 @@ def _load_all(model_dir: Path) -> dict:
     return weights
 
 
-def _quant_params(config: dict, module: str) -> dict | None:
+def _quant_params(config: dict, module: str, has_biases: bool = False) -> dict | None:
     q = config.get("quantization") or config.get("quantization_config")
     if not q:
         return None
-    entry = q.get(module, True)
-    if entry is False:
-        return None
-    base = {"group_size": q.get("group_size"), "bits": q.get("bits"), "mode": q.get("mode", "affine")}
-    if isinstance(entry, dict):
-        base.update({k: v for k, v in entry.items() if k in ("group_size", "bits", "mode")})
     try:
-        base["group_size"], base["bits"] = mode_defaults(base["mode"], base["group_size"], base["bits"])
+        return module_quantization(q, module, has_biases)
     except ValueError as exc:
         raise ConfigError(f"config.json quantization of {module}: {exc}") from None
-    return base
 
 
 def precision(model_dir: Path, config: dict | None = None) -> Precision:
@@ -80,7 +73,7 @@ def precision(model_dir: Path, config: dict | None = None) -> Precision:
         for name, arr in arrays.items():
             base = name.rsplit(".", 1)[0]
             if name.endswith(".scales"):
-                params = _quant_params(config, base) or {}
+                params = _quant_params(config, base, base + ".biases" in arrays) or {}
                 bits.add(int(params.get("bits", 4)))
                 modes.add(str(params.get("mode", "affine")))
             elif base + ".scales" in arrays:
@@ -130,7 +123,7 @@ class DequantizedWeights(Mapping):
         raw, arr = self._raw, self._raw[name]
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if module is not None and module + ".scales" in raw:
-            params = _quant_params(self.config, module)
+            params = _quant_params(self.config, module, module + ".biases" in raw)
             if params is None:
                 raise ConfigError(
                     f"{self.model_dir / 'config.json'}: {module} is stored quantized but the "

@@ -178,7 +178,7 @@ def test_bundle_compare_on_a_machine_without_torch(conversions, tiny_dg_dir, tmp
 
     bundle = tmp_path / "bundle"
     r = CliRunner().invoke(main, ["record", "--reference", str(tiny_dg_dir), "-o", str(bundle), "--mlx",
-                                  str(conversions["q4"]), "--steps", "8", "--stream-prompts", "1", "-q"])
+                                  str(conversions["q4"]), "--steps", "8", "--stream-prompts", "1", "--quiet"])
     assert r.exit_code == 0, r.output
     assert "with the MLX weights' reference" in r.output
     thresholds = tmp_path / "t.json"
@@ -187,7 +187,7 @@ def test_bundle_compare_on_a_machine_without_torch(conversions, tiny_dg_dir, tmp
     script.write_text(_NO_TORCH)
     out = subprocess.run(
         [sys.executable, str(script), "--parity", str(conversions["q4"]), "--bundle", str(bundle),
-         "--thresholds", str(thresholds), "--report", str(tmp_path / "r.json"), "-q"],
+         "--thresholds", str(thresholds), "--report", str(tmp_path / "r.json"), "--quiet"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -117,6 +117,6 @@ def test_cli_exit_status_on_a_broken_conversion(good, bundle, tmp_path):
 
     mutant = mutate(good, tmp_path / "broken", swap_gate_up)
     result = CliRunner().invoke(main, ["--parity", str(mutant), "--bundle", str(bundle), "--steps", "8",
-                                       "--stream-prompts", "1", "-q"])
+                                       "--stream-prompts", "1", "--quiet"])
     assert result.exit_code == 1, result.output
     assert "RESULT: FAIL" in result.output and "✗ logits: max_abs" in result.output

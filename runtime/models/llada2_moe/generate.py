@@ -146,9 +146,10 @@ class Settings:
 
 def is_llada21(loaded) -> bool:
     """LLaDA2.1 shares 2.0's architecture and config; recognise it by name
-    (directory, _name_or_path, dlm source) or by a shipped modeling file whose
+    (directory or repo id, _name_or_path, dlm source) or by a shipped modeling file whose
     generate() takes editing_threshold (read as text, never executed)."""
-    names = [str(getattr(loaded, "path", "")), str(loaded.config.get("_name_or_path", ""))]
+    names = [str(getattr(loaded, "path", "")), str(getattr(loaded, "source", "")),
+             str(loaded.config.get("_name_or_path", ""))]
     names.append(str((loaded.config.get("dlm") or {}).get("source", "")))
     if any(re.search(r"llada[-_]?2[._-]?1(?!\d)", n, re.IGNORECASE) for n in names):
         return True
