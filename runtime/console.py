@@ -24,45 +24,36 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
-def _guard(invoke, self, ctx):
-    try:
-        return invoke(self, ctx)
-    except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
-        raise
-    except DlmError as exc:
-        fail(str(exc), self.error_code)
-    except KeyboardInterrupt:
-        fail("interrupted", 130)
-    except Exception as exc:
-        if os.environ.get("DLM_DEBUG"):
+class _Guarded:
+    """invoke() with the one-line error rule; -h/--help; the tool's error status."""
+
+    def __init__(self, *args, error_code: int = 1, **kwargs):
+        kwargs.setdefault("context_settings", CONTEXT)
+        super().__init__(*args, **kwargs)
+        self.error_code = error_code
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise
-        fail(f"internal error ({type(exc).__name__}: {exc}); this is a dlm bug, please report it "
-             "(DLM_DEBUG=1 shows the traceback)", self.error_code)
+        except DlmError as exc:
+            fail(str(exc), self.error_code)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+        except Exception as exc:
+            if os.environ.get("DLM_DEBUG"):
+                raise
+            fail(f"internal error ({type(exc).__name__}: {exc}); this is a dlm bug, please report it "
+                 "(DLM_DEBUG=1 shows the traceback)", self.error_code)
 
 
-class Command(click.Command):
-    error_code = 1
-
-    def __init__(self, *args, error_code: int = 1, **kwargs):
-        kwargs.setdefault("context_settings", CONTEXT)
-        super().__init__(*args, **kwargs)
-        self.error_code = error_code
-
-    def invoke(self, ctx):
-        return _guard(click.Command.invoke, self, ctx)
+class Command(_Guarded, click.Command):
+    pass
 
 
-class Group(click.Group):
-    error_code = 1
+class Group(_Guarded, click.Group):
     command_class = Command
-
-    def __init__(self, *args, error_code: int = 1, **kwargs):
-        kwargs.setdefault("context_settings", CONTEXT)
-        super().__init__(*args, **kwargs)
-        self.error_code = error_code
-
-    def invoke(self, ctx):
-        return _guard(click.Group.invoke, self, ctx)
 
 
 def check_text(text: str, what: str) -> str:
