@@ -64,10 +64,13 @@ def _on_sigterm(signum, frame):  # run the cleanup path, as for Ctrl-C
 @click.option("--dequantize", is_flag=True,
               help="SOURCE is an MLX conversion (dlm, mlx-community): write it back in float "
                    "(with --q-bits: re-quantize it).")
+@click.option("--upload-repo", metavar="ORG/NAME", default=None,
+              help="Upload the converted folder to this Hugging Face Hub repo (created if needed).")
+@click.option("--private", is_flag=True, help="With --upload-repo: create the repo private.")
 @click.option("--allow-non-finite", is_flag=True,
               help="Convert weights holding NaN/Inf with a warning (default: an error naming the tensor).")
 def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe, dtype, revision,
-         text_only, overwrite, no_progress, dequantize, allow_non_finite):
+         text_only, overwrite, no_progress, dequantize, upload_repo, private, allow_non_finite):
     """Convert a Hugging Face checkpoint to MLX safetensors, optionally quantized.
 
     SOURCE is a Hugging Face Hub repo id (org/name) or a local checkpoint
@@ -100,9 +103,18 @@ def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe
         allow_non_finite=allow_non_finite,
         dequantize=dequantize,
     )
+    if upload_repo:
+        from .upload import check_repo_id
+
+        check_repo_id(upload_repo)  # before hours of conversion, not after
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        convert(opts, echo=click.echo)
+        result = convert(opts, echo=click.echo)
+        if upload_repo:
+            from .upload import upload
+
+            upload(result.output, upload_repo, private=private, echo=click.echo,
+                   message=f"dlm-convert {source}")
     except DlmError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

@@ -163,3 +163,51 @@ def test_reconverting_an_mlx_conversion_says_so_and_dequantize_goes_back_to_floa
     assert r.exit_code == 0, r.output
     loaded = api.load(tmp_path / "q8")
     assert api.generate(loaded, [2, 10, 11], {"max_tokens": 4, "max_denoising_steps": 2, "seed": 0}).token_ids
+
+
+class _DirectoryHub:
+    """A stand-in for huggingface_hub.HfApi backed by a local directory (no Hub here)."""
+
+    def __init__(self, root):
+        self.root, self.commits = root, []
+
+    def create_repo(self, repo_id, repo_type="model", private=False, exist_ok=False):
+        (self.root / repo_id).mkdir(parents=True, exist_ok=exist_ok)
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, folder_path, repo_id, repo_type="model", commit_message=""):
+        import shutil
+
+        shutil.copytree(folder_path, self.root / repo_id, dirs_exist_ok=True)
+        self.commits.append((repo_id, commit_message))
+
+    def upload_file(self, path_or_fileobj, path_in_repo, repo_id, repo_type="model", commit_message=""):
+        import shutil
+
+        shutil.copyfile(path_or_fileobj, self.root / repo_id / path_in_repo)
+        self.commits.append((repo_id, commit_message))
+
+
+def test_upload_after_convert_and_after_verify(tiny_dg_dir, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    hub = _DirectoryHub(tmp_path / "hub")
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: hub)
+    out = tmp_path / "tiny-4bit"
+    r = CliRunner().invoke(convert_main, [str(tiny_dg_dir), "-o", str(out), "--q-bits", "4", "--no-progress",
+                                          "--upload-repo", "me/tiny-4bit"])
+    assert r.exit_code == 0, r.output
+    assert "Uploaded" in r.output and "https://huggingface.co/me/tiny-4bit" in r.output
+    uploaded = hub.root / "me" / "tiny-4bit"
+    assert sorted(p.name for p in uploaded.iterdir()) == sorted(p.name for p in out.iterdir())
+    report = tmp_path / "report.json"
+    r = CliRunner().invoke(verify_main, [str(out), "--reference", str(tiny_dg_dir), "--update-card", "--report",
+                                         str(report), "--steps", "4", "--stream-prompts", "1", "--quiet",
+                                         "--upload-repo", "me/tiny-4bit", "--torch-threads", "1"])
+    assert r.exit_code in (0, 1), r.output
+    assert "<!-- dlm-verify:begin -->" in (uploaded / "README.md").read_text()
+    assert "Not verified yet" not in (uploaded / "README.md").read_text()
+    assert json.loads((uploaded / "dlm-verify-report.json").read_text())["checks"]
+    # A bad repo id is refused before any work.
+    r = CliRunner().invoke(convert_main, [str(tiny_dg_dir), "-o", str(tmp_path / "x"), "--upload-repo", "nope"])
+    assert r.exit_code == 1 and "not a Hub repo id" in r.output and not (tmp_path / "x").exists()

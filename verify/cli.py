@@ -83,13 +83,15 @@ def _fail(exc: Exception, code: int = 2):
               help="Compare with a recorded bundle instead of a live reference.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the results as JSON.")
 @click.option("--update-card", is_flag=True, help="Write the results into MLX_DIR/README.md.")
+@click.option("--upload-repo", metavar="ORG/NAME", default=None,
+              help="With --update-card: upload the model card (and --report) to this Hub repo.")
 @click.option("--thresholds", type=click.Path(dir_okay=False),
               help='JSON overrides {check: {metric: value | [op, value] | null}} (null: informational).')
 @click.option("--no-implementation", is_flag=True,
               help="Skip the implementation-parity check (reference with the MLX weights).")
 @_common
 @click.pass_context
-def main(ctx, mlx_dir, reference, bundle, report_path, update_card, thresholds, no_implementation,
+def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo, thresholds, no_implementation,
          revision, reference_dtype, prompts_file, no_builtin_prompts, canvases, steps, stream_prompts,
          trust_remote_code, torch_threads, quiet):
     """Check a converted MLX model against its PyTorch reference (logits,
@@ -111,6 +113,12 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, thresholds, 
 
     progress = _setup(torch_threads, quiet)
     try:
+        if upload_repo and not update_card:
+            raise DlmError("--upload-repo uploads the model card: give --update-card too")
+        if upload_repo:
+            from dlm.convert.upload import check_repo_id
+
+            check_repo_id(upload_repo)
         if bundle and reference:
             raise DlmError("--bundle and --reference are exclusive (the bundle names its reference)")
         options = Options(
@@ -127,6 +135,16 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, thresholds, 
             from dlm.convert.card import update_card_section
 
             update_card_section(Path(mlx_dir) / "README.md", report.card_markdown())
+        if upload_repo:
+            from dlm.convert.upload import upload
+
+            files = ["README.md"]
+            if report_path:
+                import shutil
+
+                shutil.copyfile(report_path, Path(mlx_dir) / "dlm-verify-report.json")
+                files.append("dlm-verify-report.json")
+            upload(Path(mlx_dir), upload_repo, files, message="dlm-verify parity report", echo=click.echo)
     except DlmError as exc:
         _fail(exc)
     click.echo(report.table())
