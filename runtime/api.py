@@ -101,8 +101,11 @@ def stream_generate(
 ) -> Iterator[GenerationEvent]:
     """Events: one per committed canvas/block in sequence order, then a final one
     with ``finish_reason`` ("stop" | "length" | "cancelled") and ``stats``.
-    ``cancel`` is polled once per denoising step. Extra keyword hooks (e.g.
-    ``on_step``) go to the family's loop."""
+    ``cancel`` is polled once per denoising step. Keyword hooks go to the
+    family's loop; every family takes ``watch(block_index, step, token_ids)``
+    (the canvas/block after each step) and ``prefix`` (a
+    ``dlm.runtime.generate.PrefixState`` kept across runs, as ``dlm-run chat``
+    does); ``on_step`` is the family's own parity hook."""
     gen = loaded.family.generation()
     settings = gen.Settings.from_options(dict(options or {}), loaded.args, loaded.generation_config)
     return gen.stream_generate(loaded, list(prompt_ids), settings, cancel, **hooks)

@@ -13,7 +13,7 @@ import time
 
 import click
 
-from .console import Group, check_text, fail, read_stdin
+from .console import Group, LiveView, check_text, fail, read_stdin
 from .errors import DlmError
 from .options import click_options
 
@@ -37,11 +37,16 @@ def _parse_ids(text: str) -> list[int]:
 _PLURAL = {"canvas": "Canvases", "block": "Blocks"}
 
 
-def _profile_lines(stats) -> list[str]:
+def live_view(loaded) -> LiveView:
+    return LiveView(loaded.tokenizer, loaded.family.generation().Session.block_name, loaded.args.mask_token_id)
+
+
+def profile_lines(stats) -> list[str]:
     steps = stats.steps_per_block
     mean = sum(steps) / len(steps) if steps else 0.0
+    cached = f" ({stats.cached_prompt_tokens} from the kept cache)" if stats.cached_prompt_tokens else ""
     return [
-        f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec",
+        f"Prompt: {stats.prompt_tokens} tokens{cached}, {stats.prompt_tps:.3f} tokens-per-sec",
         f"Generation: {stats.completion_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec",
         f"{_PLURAL.get(stats.block_name, stats.block_name)}: {len(steps)}, denoising steps per {stats.block_name}: "
         f"{steps} (mean {mean:.1f}), "
@@ -69,9 +74,10 @@ def _profile_lines(stats) -> list[str]:
 @click.option("--video", multiple=True, help="Video input (refused).")
 @click.option("--profile", is_flag=True, help="Print throughput, steps per canvas and peak memory to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--verbose", is_flag=True, help="Show every canvas/block after each denoising step on stderr.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code.")
 def generate(model_path, revision, prompt, prompt_ids, system, chat_template, thinking, image, audio, video,
-             profile, as_json, trust_remote_code, **options):
+             profile, as_json, verbose, trust_remote_code, **options):
     """Generate text with a converted model.
 
     Output streams to stdout as canvases commit; reasoning (the thinking
@@ -97,7 +103,8 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
                 check_text(system, "--system")
             ids = api.encode_prompt(loaded, prompt, system=system, chat_template=chat_template,
                                     enable_thinking=thinking)
-        events = api.stream_generate(loaded, ids, options)
+        view = live_view(loaded) if verbose else None
+        events = api.stream_generate(loaded, ids, options, **({"watch": view} if view else {}))
         start = time.perf_counter()
         token_ids, text, reasoning, blocks = [], [], [], []
         final = None
@@ -115,6 +122,8 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
                 if event.text:
                     click.echo(event.text, nl=False)
         wall = time.perf_counter() - start
+        if view is not None:
+            view.close()
     except DlmError as exc:
         fail(str(exc))
     stats = final.stats
@@ -128,19 +137,17 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
     else:
         click.echo()
     if profile:
-        for line in _profile_lines(stats):
+        for line in profile_lines(stats):
             click.echo(line, err=True)
 
 
-def _register_serve() -> None:
-    """``dlm-run serve`` is defined in serve_cli.py (the server); register it when present."""
-    try:
-        from .serve_cli import serve
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.endswith("serve_cli"):
-            return
-        raise
+def _register() -> None:
+    """``dlm-run serve`` (serve_cli.py) and ``dlm-run chat`` (chat_cli.py)."""
+    from .chat_cli import chat
+    from .serve_cli import serve
+
     main.add_command(serve, "serve")
+    main.add_command(chat, "chat")
 
 
-_register_serve()
+_register()

@@ -10,6 +10,7 @@ traceback). Text the user typed is checked to be valid UTF-8 before use.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import click
@@ -75,3 +76,35 @@ def read_stdin(what: str = "stdin") -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DlmError(f"{what} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+
+
+class LiveView:
+    """``--verbose``: the canvas/block after every denoising step, on stderr.
+    On a terminal one line is redrawn in place (each finished canvas stays on
+    its own line); elsewhere one plain line per step. Masked positions show
+    as ``_``. It is the generation loop's ``watch`` hook: nothing runs without it."""
+
+    def __init__(self, tokenizer, block_name: str, mask_token_id=None, stream=None):
+        self.tokenizer, self.block_name, self.mask = tokenizer, block_name, mask_token_id
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.index = None
+
+    def __call__(self, index: int, step: int, ids: list[int]) -> None:
+        pieces = ["_" if t == self.mask else self.tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+        line = f"[{self.block_name} {index + 1} step {step + 1}] " + "".join(pieces).replace("\n", "\u23ce")
+        if not self.tty:
+            print(line, file=self.stream, flush=True)
+            return
+        if self.index is not None and index != self.index:
+            self.stream.write("\n")
+        self.index = index
+        width = max(20, shutil.get_terminal_size().columns - 1)
+        self.stream.write("\r\033[K" + line[:width])
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.index is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+        self.index = None

@@ -19,6 +19,7 @@ class GenerationStats:
     forwards: int = 0  # decoder/model forwards spent on generation
     peak_memory_gb: float = 0.0
     block_name: str = "canvas"  # what steps_per_block counts: "canvas" or "block"
+    cached_prompt_tokens: int = 0  # prompt tokens served from a kept prefix cache (chat)
 
     @property
     def prompt_tps(self) -> float:

@@ -30,11 +30,30 @@ class Block:
     cancelled: bool = False
 
 
+@dataclass
+class PrefixState:
+    """A prefix cache kept across runs (``dlm-run chat`` turns): the family's
+    cache and the token ids it holds. A run whose prompt starts with those ids
+    encodes only the rest; the session updates it as it commits."""
+
+    cache: object = None
+    ids: list[int] = field(default_factory=list)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class Session(Protocol):
     block_name: str  # "canvas" | "block": what stats.steps_per_block counts
     budget: int  # most tokens this run may emit
     stop_ids: frozenset[int]  # a token that ends the output (not emitted)
     skip_special_tokens: bool  # detokenize without special tokens
+    cached_tokens: int  # prompt tokens a PrefixState served (set by prefill)
 
     def prefill(self) -> None: ...
 
@@ -72,6 +91,7 @@ def run(session: Session, loaded, prompt_ids: list[int],
     start = time.perf_counter()
     session.prefill()
     stats.prompt_seconds = time.perf_counter() - start
+    stats.cached_prompt_tokens = getattr(session, "cached_tokens", 0)
 
     start = time.perf_counter()
     produced, finish = 0, "length"

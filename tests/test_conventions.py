@@ -211,3 +211,59 @@ def test_upload_after_convert_and_after_verify(tiny_dg_dir, tmp_path, monkeypatc
     # A bad repo id is refused before any work.
     r = CliRunner().invoke(convert_main, [str(tiny_dg_dir), "-o", str(tmp_path / "x"), "--upload-repo", "nope"])
     assert r.exit_code == 1 and "not a Hub repo id" in r.output and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dg_mlx_dir", "tiny_llada2_mlx_dir"])
+def test_a_kept_prefix_cache_gives_the_same_turn_as_a_fresh_one(request, fixture):
+    from dlm.runtime.generate import PrefixState
+
+    loaded = api.load(request.getfixturevalue(fixture))
+    opts = {"max_tokens": 8, "max_denoising_steps": 3, "seed": 3, "temp": 0.0}
+    if "llada2" in fixture:
+        opts["block_length"] = 4
+    state = PrefixState()
+    turn1 = [{"role": "user", "content": "first question, long enough to fill a few blocks"}]
+    first = api.generate(loaded, api.encode_prompt(loaded, messages=turn1), opts, prefix=state)
+    assert state.ids and state.cache is not None
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and then?"}]
+    ids2 = api.encode_prompt(loaded, messages=turn2)
+    kept = api.generate(loaded, ids2, opts, prefix=state)
+    fresh = api.generate(loaded, ids2, opts)
+    assert kept.stats.cached_prompt_tokens > 0  # the second turn reused the first one's cache
+    assert kept.token_ids == fresh.token_ids and kept.steps_per_block == fresh.steps_per_block
+
+
+def test_chat_keeps_the_conversation_and_the_cache():
+    r = CliRunner().invoke(run_main, ["chat", "--model", str(DEMO), "--max-tokens", "16", "--seed", "0",
+                                      "--profile"], input="sort 31\nsort 9081726354\n/reset\nsort 21\n/exit\nnot read\n")
+    assert r.exit_code == 0, r.output
+    answers = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(answers) == 3
+    # The second turn answers the whole conversation, as a fresh run of it does.
+    loaded = api.load(DEMO)
+    conversation = [{"role": "user", "content": "sort 31"}, {"role": "assistant", "content": answers[0]},
+                    {"role": "user", "content": "sort 9081726354"}]
+    fresh = api.generate(loaded, api.encode_prompt(loaded, messages=conversation), {"max_tokens": 16, "seed": 0})
+    assert answers[1] == fresh.text
+    prompt_lines = [ln for ln in r.stderr.splitlines() if ln.startswith("Prompt:")]
+    assert len(prompt_lines) == 3
+    assert "from the kept cache" not in prompt_lines[0] and "from the kept cache" in prompt_lines[1]
+    assert "(conversation reset)" in r.stderr and "from the kept cache" not in prompt_lines[2]
+
+
+@pytest.mark.parametrize("fixture, label", [("tiny_dg_mlx_dir", "[canvas 1 step 1]"),
+                                            ("tiny_llada2_mlx_dir", "[block 1 step 1]")])
+def test_verbose_shows_every_step(request, fixture, label):
+    path = request.getfixturevalue(fixture)
+    extra = ["--block-length", "8"] if "llada2" in fixture else []
+    r = CliRunner().invoke(run_main, ["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "12",
+                                      "--max-denoising-steps", "4", "--verbose", *extra])
+    assert r.exit_code == 0, r.output
+    steps = [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
+    assert steps and steps[0].startswith(label)
+    assert len(steps) == sum(json.loads(CliRunner().invoke(run_main, [
+        "generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "12", "--max-denoising-steps", "4",
+        "--json", *extra]).stdout)["steps_per_canvas"])  # one line per denoising step
+    if "llada2" in fixture:
+        second = next(ln for ln in steps if ln.startswith("[block 2 step 1]"))
+        assert "_" in second  # a block's first step still shows masked positions

@@ -25,6 +25,7 @@ class BaseModelArgs:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: list[int]
+    mask_token_id: Optional[int] = None  # the family's mask token, if it has one (LLaDA-2)
 
     @property
     def text_only(self) -> bool:

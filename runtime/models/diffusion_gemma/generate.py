@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ...errors import GenerationError
 from ...events import GenerationEvent
-from ...generate import Block, run
+from ...generate import Block, PrefixState, common_prefix, run
 from ...memory import check_budget
 from ...options import resolve
 from ..base import ConfigReader
@@ -125,7 +125,8 @@ class CanvasSession:
     block_name = "canvas"
 
     def __init__(self, loaded, prompt_ids: list[int], settings: Settings,
-                 cancel: Optional[Callable[[], bool]] = None, on_step: Optional[StepHook] = None):
+                 cancel: Optional[Callable[[], bool]] = None, on_step: Optional[StepHook] = None,
+                 prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None):
         self.model, args = loaded.model, loaded.args
         self.prompt_ids = [int(t) for t in prompt_ids]
         check_prompt(self.prompt_ids, args)
@@ -146,6 +147,8 @@ class CanvasSession:
             seed = settings.seed if settings.seed is not None else random.SystemRandom().randrange(2**31)
             self.draws = RandomDraws(args.vocab_size, seed)
         self.cache, self.pending = None, None
+        self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
+        self.canvas_index = 0
 
     def memory_bytes(self, args) -> int:
         """Upper estimate of what one run holds: the prefix cache at its longest, a
@@ -165,17 +168,43 @@ class CanvasSession:
         return kv + logits + scores
 
     def prefill(self) -> None:
-        self.cache = self.model.make_cache()
-        self.model.prefill(self.prompt_ids, self.cache, self.settings.prefill_step_size)
+        state, prompt = self.prefix, self.prompt_ids
+        # A kept cache serves the prompt's shared prefix when every layer can rewind to it
+        # (sliding layers only hold their window); the last prompt token is always encoded.
+        shared = common_prefix(state.ids, prompt[:-1]) if state is not None and state.cache is not None else 0
+        if shared and all(c.can_rewind(shared) for c in state.cache):
+            for c in state.cache:
+                c.rewind(shared)
+            self.cache, self.cached_tokens = state.cache, shared
+        else:
+            self.cache, self.cached_tokens = self.model.make_cache(), 0
+        self.model.prefill(prompt[self.cached_tokens:], self.cache, self.settings.prefill_step_size)
+        if state is not None:
+            state.cache, state.ids = self.cache, list(prompt)
+
+    def _step_hook(self, index: int) -> Optional[StepHook]:
+        """on_step, plus the watcher (which sees the canvas as it stands: its argmax)."""
+        if self.watch is None:
+            return self.on_step
+
+        def hook(step, logits, argmax):
+            if self.on_step is not None:
+                self.on_step(step, logits, argmax)
+            self.watch(index, step, argmax.reshape(-1).tolist())
+
+        return hook
 
     def next_block(self, remaining: int) -> Block:
         model, cache, s = self.model, self.cache, self.settings
         if self.pending is not None:  # commit: encode the previous canvas at its positions
             model.encode(self.pending, cache)
+            if self.prefix is not None:
+                self.prefix.ids.extend(self.pending[0].tolist())
         length = S.canvas_length(remaining, s.min_canvas, s.max_canvas, s.full_canvas)
+        self.canvas_index += 1
         result = denoise_canvas(
             lambda c, sc: model.decode(c, cache, sc), self.draws, length, self.denoise,
-            cancel=self.cancel, on_step=self.on_step,
+            cancel=self.cancel, on_step=self._step_hook(self.canvas_index - 1),
         )
         if result.cancelled:
             return Block(steps=result.steps, cancelled=True)
@@ -189,10 +218,13 @@ Session = CanvasSession
 def stream_generate(
     loaded, prompt_ids: list[int], settings: Settings,
     cancel: Optional[Callable[[], bool]] = None, *, on_step: Optional[StepHook] = None,
+    prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
 ) -> Iterator[GenerationEvent]:
     """Events: one per committed canvas (sequence order), then a final event.
 
-    ``on_step(step_index, logits, argmax)``: optional per-step hook (parity traces).
+    ``on_step(step_index, logits, argmax)``: optional per-step hook (parity traces);
+    ``watch(canvas_index, step, token_ids)``: the canvas after every step (--verbose);
+    ``prefix``: a PrefixState kept across runs (chat).
     """
-    session = CanvasSession(loaded, prompt_ids, settings, cancel, on_step)
+    session = CanvasSession(loaded, prompt_ids, settings, cancel, on_step, prefix, watch)
     return run(session, loaded, session.prompt_ids, cancel)

@@ -130,6 +130,21 @@ class PrefixCache:
             self.keys, self.values = keys, values
         return keys, values
 
+    def can_rewind(self, n: int) -> bool:
+        """Whether the cache still holds what a window ending at position ``n`` sees."""
+        first = self.offset - self.length  # the oldest position kept
+        need = 0 if self.keep is None else max(0, n - self.keep)
+        return n <= self.offset and first <= need
+
+    def rewind(self, n: int) -> None:
+        """Back to the first ``n`` positions (a kept chat prefix); see can_rewind."""
+        first = self.offset - self.length
+        start = 0 if self.keep is None else max(0, n - self.keep) - first
+        if self.keys is not None:
+            self.keys = self.keys[:, :, start : n - first]
+            self.values = self.values[:, :, start : n - first]
+        self.offset = n
+
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]

@@ -44,7 +44,7 @@ import numpy as np
 
 from ...errors import GenerationError
 from ...events import GenerationEvent
-from ...generate import Block, run
+from ...generate import Block, PrefixState, common_prefix, run
 from ...memory import check_budget
 from ...options import resolve
 from ..base import ConfigReader
@@ -183,6 +183,8 @@ _HOOKS = (
     "on_step", "trace", "uniforms", "kv_cache", "suppress_mask", "early_stop", "stop_on_role_end",
     "editing_threshold",
 )
+# Hooks of the session itself rather than of Settings.
+_SESSION_HOOKS = ("prefix", "watch")
 
 
 def stream_generate(
@@ -195,13 +197,16 @@ def stream_generate(
     ``hooks`` override the internal Settings switches (parity suite, tests):
     on_step(block, step, logits), trace, uniforms, kv_cache, suppress_mask,
     early_stop, stop_on_role_end, editing_threshold (None: 2.0 decoding);
-    ``stop_ids`` replaces the stop-token set."""
-    unknown = sorted(set(hooks) - set(_HOOKS))
+    ``stop_ids`` replaces the stop-token set; ``watch(block_index, step, token_ids)``
+    sees the block after every step (--verbose); ``prefix`` is a PrefixState kept
+    across runs (chat)."""
+    unknown = sorted(set(hooks) - set(_HOOKS) - set(_SESSION_HOOKS))
     if unknown:
         raise GenerationError(f"unknown LLaDA-2 generation hook(s): {', '.join(unknown)}")
+    extra = {k: hooks.pop(k) for k in _SESSION_HOOKS if k in hooks}
     if hooks:
         settings = replace(settings, **hooks)
-    session = BlockSession(loaded, list(prompt_ids), settings, cancel)
+    session = BlockSession(loaded, list(prompt_ids), settings, cancel, **extra)
     if stop_ids is not None:
         session.set_stops(stop_ids)
     return run(session, loaded, session.prompt, cancel)
@@ -214,8 +219,10 @@ class BlockSession:
 
     block_name = "block"
 
-    def __init__(self, loaded, prompt_ids, s: Settings, cancel: Optional[Callable[[], bool]] = None):
+    def __init__(self, loaded, prompt_ids, s: Settings, cancel: Optional[Callable[[], bool]] = None,
+                 prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None):
         self.model, self.s, self.cancel = loaded.model, s, cancel
+        self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
         self.skip_special_tokens = s.skip_special_tokens
         self.prompt = prompt_ids
         self.P, self.bl = len(prompt_ids), s.block_length
@@ -268,12 +275,14 @@ class BlockSession:
     # -- model calls -------------------------------------------------------
 
     def _prefill(self, upto: int) -> None:
-        """The prompt's full blocks into the cache, a whole number of blocks per forward."""
+        """The prompt's full blocks into the cache, a whole number of blocks per
+        forward, after the whole blocks a kept PrefixState already holds."""
         if self.cache is None:
             return
         bl = self.bl
         chunk = max(bl, self.s.prefill_step_size // bl * bl)
-        for a in range(0, upto, chunk):
+        start = self._reuse(upto)
+        for a in range(start, upto, chunk):
             b = min(upto, a + chunk)
             ids = mx.array(self.prompt[a:b], dtype=mx.int32)[None]
             logits = self.model(ids, self.cache, block_causal_mask(a, b - a, a, bl), last=1)
@@ -296,7 +305,26 @@ class BlockSession:
                 for c in self.cache:
                     c.commit(bl)
                 self.pending = None
+                self._remember()
         return logits[0]
+
+    def _reuse(self, upto: int) -> int:
+        """Copy the kept cache's whole blocks that this prompt shares into the new
+        cache (block attention makes them exact); returns where prefill starts."""
+        state = self.prefix
+        if state is None or state.cache is None:
+            return 0
+        old = state.cache
+        keep = min(common_prefix(state.ids, self.prompt), old[0].offset, upto) // self.bl * self.bl
+        if keep and old[0].keys is not None:
+            for new, kept in zip(self.cache, old):
+                new.adopt(kept, keep)
+        self.cached_tokens = keep if old[0].keys is not None else 0
+        return self.cached_tokens
+
+    def _remember(self) -> None:
+        if self.prefix is not None and self.cache is not None:
+            self.prefix.cache, self.prefix.ids = self.cache, self.x[: self.cache[0].offset].tolist()
 
     def _step(self, b: int, s: int, start: int, block):
         """One forward + sample. Returns (tokens, confidences)."""
@@ -308,7 +336,9 @@ class BlockSession:
         u = self.uniforms(self.bl) if self.needs_uniforms else None
         return sample(logits, self.s, u)
 
-    def _trace(self, b: int, s: int, start: int, write, tok) -> None:
+    def _trace(self, b: int, s: int, start: int, write, tok, block) -> None:
+        if self.watch is not None:  # the block as it stands (masks included)
+            self.watch(b - self.first_block, s, block.tolist())
         if self.s.trace is not None:
             w = np.nonzero(np.array(write))[0]
             self.s.trace.append((b, s, [int(start + i) for i in w], np.array(tok)[w].tolist()))
@@ -319,13 +349,14 @@ class BlockSession:
         s, bl, P = self.s, self.bl, self.P
         self.limit = P + self.budget
         self.n_blocks = -(-self.limit // bl)
-        self.next_index = P // bl  # the first block holding generated positions
+        self.next_index = self.first_block = P // bl  # the first block holding generated positions
         self.cache = self.model.make_cache(self.n_blocks * bl) if s.kv_cache else None
         self.pending = None
         self.x = np.full(self.n_blocks * bl, s.mask_token_id, dtype=np.int32)
         self.x[:P] = self.prompt
         self.committed = mx.array(self.x[: self.next_index * bl])
         self._prefill(self.next_index * bl)
+        self._remember()
 
     def next_block(self, remaining: int) -> Block:
         b, bl = self.next_index, self.bl
@@ -362,7 +393,7 @@ class BlockSession:
             tok, conf = self._step(b, s, start, block)
             write = reveal(active, conf, self.s.step_threshold(s, self.steps), self.quota[s])
             block = mx.where(write, tok.astype(block.dtype), block)
-            self._trace(b, s, start, write, tok)
+            self._trace(b, s, start, write, tok, block)
             # Final once no mask is left before the output budget or before a stop token.
             masked = (block == mask_id) & in_gen
             first_mask = mx.min(mx.where(masked, pos, self.bl))
@@ -403,7 +434,7 @@ class BlockSession:
             edit = editable & ~active & (tok != block) & (conf > self.editing)
             write = write | edit
             block = mx.where(write, tok, block)
-            self._trace(b, s, start, write, tok)
+            self._trace(b, s, start, write, tok, block)
             counts = mx.stack([((block == mask_id) & editable).sum(), edit.sum()]).tolist()
             s += 1
             was_active, n_active = n_active, int(counts[0])

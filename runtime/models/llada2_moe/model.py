@@ -72,6 +72,16 @@ class CommittedKVCache:
         self._window = L
         return self.keys[..., :end, :], self.values[..., :end, :]
 
+    def adopt(self, other: "CommittedKVCache", n: int) -> None:
+        """Take ``other``'s first ``n`` committed positions (a kept chat prefix)."""
+        B, H, _, D = other.keys.shape
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, self.capacity, D), dtype=other.keys.dtype)
+            self.values = mx.zeros((B, H, self.capacity, other.values.shape[-1]), dtype=other.values.dtype)
+        self.keys[..., :n, :] = other.keys[..., :n, :]
+        self.values[..., :n, :] = other.values[..., :n, :]
+        self.offset, self._window = n, 0
+
     def commit(self, n: int) -> None:
         if n > self._window:
             raise ValueError(f"cannot commit {n} of a {self._window}-position window")
