@@ -13,6 +13,7 @@ import time
 
 import click
 
+from . import blas
 from .console import Group, LiveView, check_text, fail, read_stdin
 from .errors import DlmError
 from .options import click_options
@@ -22,6 +23,9 @@ from .options import click_options
 @click.version_option(package_name="dlm", prog_name="dlm-run")
 def main():
     """Run DiffusionGemma / LLaDA-2 models converted to MLX."""
+    note = blas.hint()
+    if note:
+        click.echo(note, err=True)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -53,6 +57,7 @@ def profile_lines(stats) -> list[str]:
         f"stopped early: {stats.early_stops}",
         f"Tokens per forward: {stats.tokens_per_forward:.3f} ({stats.forwards} forwards)",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
+        f"BLAS: {blas.STATUS if blas.STATUS not in ('off', 'reference') else 'MLX default'}",
     ]
 
 

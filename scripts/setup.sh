@@ -23,3 +23,13 @@ if ! $PIP install -q -e ".[test]" >"$log" 2>&1; then
     exit 1
 fi
 rm -f "$log"
+# MLX's Linux CPU wheel bundles the reference BLAS; dlm loads an optimized one
+# ahead of it (dlm.runtime.blas). Install Debian's OpenBLAS where we can.
+if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+   && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+    if ! apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1; then
+        apt-get update -qq >/dev/null 2>&1 || true
+        apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
+            || echo "note: could not install libopenblas0-pthread; MLX will use its slow reference BLAS" >&2
+    fi
+fi
