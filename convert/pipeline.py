@@ -12,7 +12,6 @@ looks like a finished model.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -24,15 +23,28 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ..quantize.modes import module_quantization
-from ..quantize.recipes import Decision, Recipe, bits_per_weight, config_block, decide, make_spec
+from ..quantize.recipes import (
+    Decision,
+    Recipe,
+    bits_per_weight,
+    config_block,
+    decide,
+    make_spec,
+)
 from ..runtime.checkpoint import check_tokenizer, read_config, read_json
 from ..runtime.errors import ConfigError, WeightError
-from ..runtime.registry import Family, family_for_config
 from ..runtime.models.plan import TensorPlan
+from ..runtime.registry import Family, family_for_config
 from .card import front_matter, recipe_table, render_card, source_license
+from .mlx_source import dequantize_plans, mlx_conversion
 from .reader import CheckpointReader, row_count
-from .source import SIDECAR_FILES, VISION_SIDECARS, ResolvedSource, resolve_source, source_name
+from .source import (
+    SIDECAR_FILES,
+    VISION_SIDECARS,
+    ResolvedSource,
+    resolve_source,
+    source_name,
+)
 from .writer import (
     MAX_SHARD_BYTES,
     OutputError,
@@ -447,48 +459,6 @@ def _output_config(module, config: dict, opts: ConvertOptions, recipe: Optional[
     if opts.dequantize:
         out["dlm"]["dequantized_from"] = src.repo_id or str(src.path)
     return out
-
-
-# -- MLX conversions as sources ------------------------------------------------------
-
-
-def mlx_conversion(config: dict, tensors: dict) -> Optional[str]:
-    """What kind of MLX conversion a source is, or None for a Hugging Face checkpoint."""
-    if isinstance(config.get("quantization"), dict) or any(n.endswith(".scales") for n in tensors):
-        return "a quantized MLX conversion"
-    if isinstance(config.get("dlm"), dict):
-        return "a dlm conversion"
-    return None
-
-
-def _dequantize(arrays, group_size: int, bits: int, mode: str):
-    w, scales, *biases = arrays
-    return mx.dequantize(w, scales, biases[0] if biases else None, group_size=group_size, bits=bits, mode=mode)
-
-
-def dequantize_plans(config: dict, tensors: dict) -> list[TensorPlan]:
-    """An MLX conversion back to float, tensor by tensor: each quantized module's
-    packed weight + scales (+ biases) dequantized with the parameters its
-    quantization block gives it; every other tensor as it is."""
-    q = config.get("quantization") or config.get("quantization_config") or {}
-    plans = []
-    for name in tensors:
-        module, _, part = name.rpartition(".")
-        if part in ("scales", "biases") and f"{module}.scales" in tensors:
-            continue
-        if part == "weight" and f"{module}.scales" in tensors:
-            has_biases = f"{module}.biases" in tensors
-            try:
-                params = module_quantization(q, module, has_biases)
-            except ValueError as exc:
-                raise ConfigError(f"config.json quantization of {module}: {exc}") from None
-            if params is None:
-                raise ConfigError(f"{module} is stored quantized but config.json marks it unquantized")
-            sources = (name, f"{module}.scales") + ((f"{module}.biases",) if has_biases else ())
-            plans.append(TensorPlan(name, sources, combine=functools.partial(_dequantize, **params)))
-        else:
-            plans.append(TensorPlan(name, (name,)))
-    return plans
 
 
 def _inside_checkpoint(path: Path, src: Path) -> bool:

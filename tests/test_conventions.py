@@ -257,13 +257,13 @@ def test_verbose_shows_every_step(request, fixture, label):
     path = request.getfixturevalue(fixture)
     extra = ["--block-length", "8"] if "llada2" in fixture else []
     r = CliRunner().invoke(run_main, ["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "12",
-                                      "--max-denoising-steps", "4", "--verbose", *extra])
+                                      "--max-denoising-steps", "4", "--seed", "5", "--verbose", *extra])
     assert r.exit_code == 0, r.output
     steps = [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
     assert steps and steps[0].startswith(label)
     assert len(steps) == sum(json.loads(CliRunner().invoke(run_main, [
         "generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "12", "--max-denoising-steps", "4",
-        "--json", *extra]).stdout)["steps_per_canvas"])  # one line per denoising step
+        "--seed", "5", "--json", *extra]).stdout)["steps_per_canvas"])  # one line per denoising step
     if "llada2" in fixture:
         second = next(ln for ln in steps if ln.startswith("[block 2 step 1]"))
         assert "_" in second  # a block's first step still shows masked positions
