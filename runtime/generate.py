@@ -111,6 +111,8 @@ def run(session: Session, loaded, prompt_ids: list[int],
         if stopped:
             finish = "stop"
             break
+        if not block.tokens:  # a session that commits nothing would never reach the budget
+            break
     stats.completion_tokens = produced
     stats.generation_seconds = time.perf_counter() - start
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
