@@ -45,10 +45,13 @@ class GenerationResult:
         }
 
 
-def load(path, *, trust_remote_code: bool = False, revision: Optional[str] = None) -> LoadedModel:
+def load(path, *, trust_remote_code: bool = False, revision: Optional[str] = None,
+         compute_dtype: Optional[str] = None) -> LoadedModel:
     """Load a converted MLX directory or Hub repo id (dlm or mlx-community
-    conversions, or an HF checkpoint of a supported family)."""
-    return _load(path, trust_remote_code=trust_remote_code, revision=revision)
+    conversions, or an HF checkpoint of a supported family). ``compute_dtype``:
+    "auto" (default: float32 on the CPU backend, the stored dtype on Metal/CUDA),
+    "native" or "float32" (``dlm.runtime.loader.COMPUTE_DTYPES``)."""
+    return _load(path, trust_remote_code=trust_remote_code, revision=revision, compute_dtype=compute_dtype)
 
 
 def encode_prompt(

@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from .console import Command, check_text
+from .console import Command, check_text, model_options
 from .errors import DlmError
 from .options import click_options
 
@@ -36,23 +36,22 @@ def _lines(tty: bool):
 
 
 @click.command("chat", cls=Command)
-@click.option("--model", "model_path", required=True,
-              help="Converted MLX model: a directory or a Hub repo id (org/name, fetched into the HF cache).")
-@click.option("--revision", default=None, metavar="REV", help="Hub branch, tag or commit (repo ids only).")
+@model_options
 @click.option("--system", default=None, help="System message of the conversation.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="Ask the chat template for the thinking channel (reasoning goes to stderr).")
 @click_options()
 @click.option("--profile", is_flag=True, help="Print each turn's throughput and cache use to stderr.")
 @click.option("--verbose", is_flag=True, help="Show every canvas/block after each denoising step on stderr.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code.")
-def chat(model_path, revision, system, thinking, profile, verbose, trust_remote_code, **options):
+def chat(model_path, revision, system, thinking, profile, verbose, trust_remote_code, compute_dtype,
+         **options):
     """Chat with a converted model in the terminal (or over a pipe: one user turn per line)."""
     from . import api
     from .cli import live_view, profile_lines
     from .generate import PrefixState
 
-    loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision)
+    loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
+                          compute_dtype=compute_dtype)
     options = {k: v for k, v in options.items() if v is not None}
     loaded.family.generation().Settings.from_options(options, loaded.args, loaded.generation_config)
     base = [{"role": "system", "content": check_text(system, "--system")}] if system else []
@@ -92,5 +91,5 @@ def chat(model_path, revision, system, thinking, profile, verbose, trust_remote_
         click.echo()
         messages.append({"role": "assistant", "content": "".join(answer)})
         if profile:
-            for text in profile_lines(final.stats):
+            for text in profile_lines(final.stats, loaded):
                 click.echo(text, err=True)

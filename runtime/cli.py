@@ -14,7 +14,7 @@ import time
 import click
 
 from . import blas
-from .console import Group, LiveView, check_text, fail, read_stdin
+from .console import Group, LiveView, check_text, fail, model_options, read_stdin
 from .errors import DlmError
 from .options import click_options
 
@@ -45,7 +45,7 @@ def live_view(loaded) -> LiveView:
     return LiveView(loaded.tokenizer, loaded.family.generation().Session.block_name, loaded.args.mask_token_id)
 
 
-def profile_lines(stats) -> list[str]:
+def profile_lines(stats, loaded=None) -> list[str]:
     steps = stats.steps_per_block
     mean = sum(steps) / len(steps) if steps else 0.0
     cached = f" ({stats.cached_prompt_tokens} from the kept cache)" if stats.cached_prompt_tokens else ""
@@ -58,13 +58,12 @@ def profile_lines(stats) -> list[str]:
         f"Tokens per forward: {stats.tokens_per_forward:.3f} ({stats.forwards} forwards)",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
         f"BLAS: {blas.STATUS if blas.STATUS not in ('off', 'reference') else 'MLX default'}",
-    ]
+    ] + ([f"Compute: {loaded.compute_dtype}" + (" (half-precision weights upcast for the CPU backend)"
+                                                if loaded.upcast else "")] if loaded is not None else [])
 
 
 @main.command()
-@click.option("--model", "model_path", required=True,
-              help="Converted MLX model: a directory or a Hub repo id (org/name, fetched into the HF cache).")
-@click.option("--revision", default=None, metavar="REV", help="Hub branch, tag or commit (repo ids only).")
+@model_options
 @click.option("--prompt", "-p", default=None, help="Prompt text ('-' or omitted: read stdin).")
 @click.option("--prompt-ids", default=None, help="Comma-separated prompt token ids (parity work); "
               "no chat template is applied.")
@@ -80,9 +79,8 @@ def profile_lines(stats) -> list[str]:
 @click.option("--profile", is_flag=True, help="Print throughput, steps per canvas and peak memory to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--verbose", is_flag=True, help="Show every canvas/block after each denoising step on stderr.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code.")
 def generate(model_path, revision, prompt, prompt_ids, system, chat_template, thinking, image, audio, video,
-             profile, as_json, verbose, trust_remote_code, **options):
+             profile, as_json, verbose, trust_remote_code, compute_dtype, **options):
     """Generate text with a converted model.
 
     Output streams to stdout as canvases commit; reasoning (the thinking
@@ -95,7 +93,8 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
         ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
         if ids is not None and prompt is not None:
             raise click.UsageError("give --prompt or --prompt-ids, not both")
-        loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision)
+        loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
+                          compute_dtype=compute_dtype)
         if image:
             kind = "a text-only model" if loaded.args.text_only else "dlm-run (text-only runtime)"
             raise DlmError(f"image input is not supported by {kind}: {model_path}")
@@ -142,7 +141,7 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
     else:
         click.echo()
     if profile:
-        for line in profile_lines(stats):
+        for line in profile_lines(stats, loaded):
             click.echo(line, err=True)
 
 

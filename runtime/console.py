@@ -57,6 +57,23 @@ class Group(_Guarded, click.Group):
     command_class = Command
 
 
+def model_options(func):
+    """--model, --revision, --compute-dtype and --trust-remote-code, for every
+    command that loads a model (dlm-run generate, serve, chat)."""
+    options = (
+        click.option("--model", "model_path", required=True,
+                     help="Converted MLX model: a directory or a Hub repo id (org/name, fetched into the HF cache)."),
+        click.option("--revision", default=None, metavar="REV", help="Hub branch, tag or commit (repo ids only)."),
+        click.option("--compute-dtype", type=click.Choice(["auto", "native", "float32"]), default=None,
+                     help="auto: float32 on the CPU backend (its half-precision kernels are slow), the stored "
+                          "dtype on Metal/CUDA; native: the stored dtype [auto, or DLM_COMPUTE_DTYPE]."),
+        click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code."),
+    )
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 def check_text(text: str, what: str) -> str:
     """``text`` if it is valid Unicode (argv and JSON can carry lone surrogates)."""
     try:

@@ -27,6 +27,8 @@ class LoadedModel:
     tokenizer: Any
     generation_config: dict = field(default_factory=dict)
     source: str = ""  # what the user named: the directory or the Hub repo id
+    compute_dtype: str = "float32"  # what the model computes in (see COMPUTE_DTYPES)
+    upcast: bool = False  # half-precision weights were upcast to float32 for the CPU backend
 
 
 def load_weights(path: Path) -> dict:
@@ -126,6 +128,27 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
         raise ConfigError(f"{path}: cannot load the tokenizer: {exc}") from None
 
 
+# "auto": float32 on the CPU backend (MLX's CPU bf16/f16 kernels are many times
+# slower than float32 with a real BLAS, and quantized kernels slower again with
+# half-precision activations), the stored dtype on Metal/CUDA; "native": the
+# stored dtype everywhere; "float32": float32 everywhere. DLM_COMPUTE_DTYPE sets
+# the default.
+COMPUTE_DTYPES = ("auto", "native", "float32")
+
+
+def compute_in_float32(model) -> bool:
+    """Upcast every half-precision parameter (weights, norms, quantization scales
+    and biases) to float32, exactly; returns whether anything changed."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    updates = [(name, p.astype(mx.float32)) for name, p in tree_flatten(model.parameters())
+               if p.dtype in (mx.bfloat16, mx.float16)]
+    if updates:
+        model.load_weights(updates, strict=False)
+    return bool(updates)
+
+
 def resolve_model(source, revision: Optional[str] = None) -> Path:
     """A model directory, or a Hub repo id fetched into the standard Hugging Face
     cache (only the files a model needs; ``HF_HUB_OFFLINE=1`` reads the cache
@@ -142,9 +165,15 @@ def resolve_model(source, revision: Optional[str] = None) -> Path:
 
 
 def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
-         revision: Optional[str] = None) -> LoadedModel:
+         revision: Optional[str] = None, compute_dtype: Optional[str] = None) -> LoadedModel:
     """Load a model directory or Hub repo id (see module docstring)."""
+    import os
+
     import mlx.core as mx
+
+    compute_dtype = compute_dtype or os.environ.get("DLM_COMPUTE_DTYPE", "").strip() or "auto"
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"--compute-dtype {compute_dtype!r}: choose from {', '.join(COMPUTE_DTYPES)}")
 
     source = str(path)
     path = resolve_model(path, revision)
@@ -166,15 +195,20 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
         raise ConfigError(f"{path}: weights are quantized but config.json has no 'quantization' block")
     check_weights(model, weights)
     model.load_weights(list(weights.items()), strict=True)
-    from .models.switch import cpu_float32_experts
+    upcast = False
+    if compute_dtype == "float32" or (compute_dtype == "auto" and mx.default_device() == mx.cpu):
+        upcast = compute_in_float32(model)
+    else:
+        from .models.switch import cpu_float32_experts
 
-    cpu_float32_experts(model)
+        cpu_float32_experts(model)
     model.eval()
     mx.eval(model.parameters())
 
     generation_config = read_generation_config(path, config)
     tok = load_tokenizer(path, trust_remote_code) if tokenizer else None
-    return LoadedModel(path, config, args, family, model, tok, generation_config, source)
+    dtype = str(model.dtype).replace("mlx.core.", "")
+    return LoadedModel(path, config, args, family, model, tok, generation_config, source, dtype, upcast)
 
 
 __all__ = ["LoadedModel", "load", "DlmError"]

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from .console import Command
+from .console import Command, model_options
 from .errors import DlmError
 from .options import click_options
 from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
@@ -32,9 +32,7 @@ def _is_loopback(host: str) -> bool:
 
 
 @click.command("serve", cls=Command)
-@click.option("--model", "model_path", required=True,
-              help="Converted MLX model: a directory or a Hub repo id (org/name, fetched into the HF cache).")
-@click.option("--revision", default=None, metavar="REV", help="Hub branch, tag or commit (repo ids only).")
+@model_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to bind (loopback unless you choose otherwise).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
@@ -48,11 +46,10 @@ def _is_loopback(host: str) -> bool:
                                                "[the model directory's name].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-@click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code.")
 @_generation_options
 @_thinking
 def serve(model_path, revision, host, port, api_key, queue_size, max_body_bytes, model_id, log_level,
-          trust_remote_code, thinking, **options):
+          trust_remote_code, compute_dtype, thinking, **options):
     """Serve a converted model behind an OpenAI-compatible API.
 
     Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
@@ -68,7 +65,8 @@ def serve(model_path, revision, host, port, api_key, queue_size, max_body_bytes,
         raise click.BadParameter("the API key is empty (a client could authenticate with no token); "
                                  "give a real key or none", param_hint="--api-key / DLM_API_KEY")
     try:
-        loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision)
+        loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
+                          compute_dtype=compute_dtype)
         check_options(loaded, defaults)  # refuse flags the family does not take, now
         if model_id is None and not Path(loaded.source).expanduser().is_dir():
             model_id = loaded.source  # a Hub repo id names the model better than its snapshot hash

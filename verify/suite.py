@@ -243,7 +243,12 @@ def run_parity(mlx_dir, options: Options) -> Report:
     loaded = loader.load(mlx_dir, trust_remote_code=options.trust_remote_code, tokenizer=False)
     prec = W.precision(mlx_dir, config)
     compute = adapter.compute_dtype(loaded) if hasattr(adapter, "compute_dtype") else prec.compute_dtype
-    if compute != prec.compute_dtype:
+    if loaded.upcast:
+        # Half-precision weights upcast for the CPU backend: the stored precision
+        # still sets what the original-weights comparison may lose.
+        notes.append(f"MLX computed in float32: the {prec.compute_dtype} weights were upcast at load for the "
+                     "CPU backend (--compute-dtype native keeps them)")
+    elif compute != prec.compute_dtype:
         prec = W.Precision(prec.label if prec.quantized else compute, compute, prec.bits, prec.mode)
     differ = _generation_config_differences(bundle.settings, loaded.generation_config)
     if differ:

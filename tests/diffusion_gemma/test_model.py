@@ -126,8 +126,8 @@ def test_hf_directory_loads_as_is(tiny_dg_dir, tiny_dg_torch):
 
 
 def test_bfloat16_runs_on_cpu_within_bf16_noise(tiny_dg_dir, tiny_dg_torch, tmp_path):
-    bf16 = api.load(convert_dir(tiny_dg_dir, tmp_path / "bf16", dtype="bfloat16"))
-    assert bf16.model.dtype == mx.bfloat16
+    bf16 = api.load(convert_dir(tiny_dg_dir, tmp_path / "bf16", dtype="bfloat16"), compute_dtype="native")
+    assert bf16.model.dtype == mx.bfloat16 and bf16.compute_dtype == "bfloat16" and not bf16.upcast
     got = mlx_logits(bf16, LONG, [CANVAS, CANVAS2])
     ref_bf16 = hf_logits(load_diffusion_gemma_hf(tiny_dg_dir, "bfloat16"), LONG, [CANVAS, CANVAS2])
     ref_f32 = hf_logits(tiny_dg_torch, LONG, [CANVAS, CANVAS2])
@@ -157,3 +157,17 @@ def test_quantized_agrees_with_dequantized_twin(tiny_dg_dir, tmp_path, name):
         a = mlx_logits(quant, LONG, canvases, s)
         b = mlx_logits(twin, LONG, canvases, s)
         assert np.abs(a - b).max() < 1e-4
+
+
+def test_bfloat16_weights_compute_in_float32_on_the_cpu_by_default(tiny_dg_dir, tmp_path):
+    """On the CPU backend a bf16 checkpoint is upcast at load (exactly) and computes in
+    float32: it then matches transformers running the same bf16 weights in float32."""
+    import torch
+
+    bf16_dir = convert_dir(tiny_dg_dir, tmp_path / "bf16", dtype="bfloat16")
+    loaded = api.load(bf16_dir)
+    assert loaded.upcast and loaded.compute_dtype == "float32" and loaded.model.dtype == mx.float32
+    ref = load_diffusion_gemma_hf(tiny_dg_dir, "bfloat16").to(torch.float32)  # the bf16 values, in f32
+    want = hf_logits(ref, LONG, [CANVAS, CANVAS2])
+    got = mlx_logits(loaded, LONG, [CANVAS, CANVAS2])
+    assert np.abs(got - want).max() < 1e-4

@@ -55,13 +55,23 @@ def test_float32_conversion_passes_live(conversions):
     assert stream.metrics["identical_fraction"] == 1.0 and stream.metrics["tokens"] == 2 * 8
 
 
-def test_bf16_conversion_passes(conversions, reference_bundle):
+def test_bf16_conversion_passes(conversions, reference_bundle, monkeypatch):
+    # Computing in bf16 (--compute-dtype native, what Metal/CUDA do by default):
+    monkeypatch.setenv("DLM_COMPUTE_DTYPE", "native")
     report = run_parity(conversions["bf16"], verify_options(bundle=str(reference_bundle)))
     assert report.passed, report.table()
     assert report.precision["compute_dtype"] == "bfloat16"
     impl = report.check("implementation")
     # bf16 rounding: clearly not float32-exact, yet within the half-precision bounds.
     assert 1e-4 < impl.metrics["mean_abs"] < 0.1 and impl.precision_class == "half"
+    # The CPU default upcasts the bf16 weights and computes in float32: the same
+    # weights then agree to float32 precision, and the report says so.
+    monkeypatch.delenv("DLM_COMPUTE_DTYPE")
+    report = run_parity(conversions["bf16"], verify_options(bundle=str(reference_bundle)))
+    assert report.passed, report.table()
+    assert report.precision["compute_dtype"] == "bfloat16"  # what is stored sets the logits bounds
+    assert report.check("implementation").metrics["max_abs"] < 1e-4
+    assert any("computed in float32" in n for n in report.notes)
 
 
 def test_q4_conversion_passes_with_tight_implementation_parity(conversions, reference_bundle):

@@ -260,8 +260,7 @@ class BlockSession:
         matrix (a prefill chunk or the [finished; active] window over the cache)."""
         bl = self.bl
         capacity = -(-(self.P + self.budget) // bl) * bl
-        emb = self.model.model.word_embeddings
-        item = 4 if (emb["scales"] if "scales" in emb else emb["weight"]).dtype == mx.float32 else 2
+        item = 4 if self.model.dtype == mx.float32 else 2
         kv = args.num_hidden_layers * capacity * args.num_key_value_heads * args.head_dim * 2 * item
         logits = 8 * bl * args.vocab_size * 4
         rows = max(min(self.s.prefill_step_size, self.P), 2 * bl)

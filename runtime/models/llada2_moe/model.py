@@ -230,6 +230,12 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The activation dtype: the embedding's (its scales' when quantized)."""
+        emb = self.model.word_embeddings
+        return (emb["scales"] if "scales" in emb else emb["weight"]).dtype
+
     def make_cache(self, capacity: int) -> list[CommittedKVCache]:
         return [CommittedKVCache(capacity) for _ in self.model.layers]
 
