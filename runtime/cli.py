@@ -58,8 +58,16 @@ def profile_lines(stats, loaded=None) -> list[str]:
         f"Tokens per forward: {stats.tokens_per_forward:.3f} ({stats.forwards} forwards)",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
         f"BLAS: {blas.STATUS if blas.STATUS not in ('off', 'reference') else 'MLX default'}",
-    ] + ([f"Compute: {loaded.compute_dtype}" + (" (half-precision weights upcast for the CPU backend)"
-                                                if loaded.upcast else "")] if loaded is not None else [])
+    ] + ([compute_line(loaded)] if loaded is not None else [])
+
+
+def compute_line(loaded) -> str:
+    notes = []
+    if loaded.upcast:
+        notes.append("half-precision weights upcast")
+    if loaded.dequantized:
+        notes.append(f"{loaded.dequantized} quantized modules dequantized at load")
+    return f"Compute: {loaded.compute_dtype}" + (f" ({', '.join(notes)}, for the CPU backend)" if notes else "")
 
 
 @main.command()

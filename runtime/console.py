@@ -65,8 +65,10 @@ def model_options(func):
                      help="Converted MLX model: a directory or a Hub repo id (org/name, fetched into the HF cache)."),
         click.option("--revision", default=None, metavar="REV", help="Hub branch, tag or commit (repo ids only)."),
         click.option("--compute-dtype", type=click.Choice(["auto", "native", "float32"]), default=None,
-                     help="auto: float32 on the CPU backend (its half-precision kernels are slow), the stored "
-                          "dtype on Metal/CUDA; native: the stored dtype [auto, or DLM_COMPUTE_DTYPE]."),
+                     help="auto: on the CPU backend float32, quantized weights dequantized at load when they "
+                          "fit (its half-precision and quantized kernels are slow); on Metal/CUDA the stored "
+                          "dtype. native: the stored dtype and quantized kernels. float32: upcast, quantized "
+                          "kernels kept [auto, or DLM_COMPUTE_DTYPE]."),
         click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code."),
     )
     for option in reversed(options):

@@ -29,6 +29,7 @@ class LoadedModel:
     source: str = ""  # what the user named: the directory or the Hub repo id
     compute_dtype: str = "float32"  # what the model computes in (see COMPUTE_DTYPES)
     upcast: bool = False  # half-precision weights were upcast to float32 for the CPU backend
+    dequantized: int = 0  # quantized modules dequantized to float32 at load (CPU backend)
 
 
 def load_weights(path: Path) -> dict:
@@ -128,11 +129,13 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
         raise ConfigError(f"{path}: cannot load the tokenizer: {exc}") from None
 
 
-# "auto": float32 on the CPU backend (MLX's CPU bf16/f16 kernels are many times
-# slower than float32 with a real BLAS, and quantized kernels slower again with
-# half-precision activations), the stored dtype on Metal/CUDA; "native": the
-# stored dtype everywhere; "float32": float32 everywhere. DLM_COMPUTE_DTYPE sets
-# the default.
+# "auto": on the CPU backend, float32 (MLX's CPU bf16/f16 kernels are many times
+# slower than float32 with a real BLAS) and quantized modules dequantized to
+# float32 at load when that fits half the memory budget (MLX's CPU quantized
+# kernels are slower still); on Metal/CUDA, the stored dtype and the quantized
+# kernels. "native": the stored dtype and the quantized kernels everywhere.
+# "float32": half-precision weights upcast, quantized kernels kept.
+# DLM_COMPUTE_DTYPE sets the default.
 COMPUTE_DTYPES = ("auto", "native", "float32")
 
 
@@ -147,6 +150,48 @@ def compute_in_float32(model) -> bool:
     if updates:
         model.load_weights(updates, strict=False)
     return bool(updates)
+
+
+def dequantized_size(model) -> int:
+    """Bytes the quantized modules would take as float32 weights."""
+    total = 0
+    for _, module in model.named_modules():
+        if "scales" in module and "weight" in module and hasattr(module, "bits"):
+            total += module["weight"].size * 32 // module.bits * 4
+    return total
+
+
+def dequantize_modules(model) -> int:
+    """Replace every quantized module by its float32 twin (weights dequantized
+    exactly as the quantized kernels see them); returns how many."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    from .models.switch import QuantizedSwitchLinear, SwitchLinear
+
+    replaced = []
+    for name, module in model.named_modules():
+        if not ("scales" in module and hasattr(module, "bits")):
+            continue
+        w = mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
+                          bits=module.bits, mode=module.mode).astype(mx.float32)
+        if isinstance(module, nn.QuantizedEmbedding):
+            new = nn.Embedding(w.shape[0], w.shape[1])
+        elif isinstance(module, QuantizedSwitchLinear):
+            new = SwitchLinear(w.shape[2], w.shape[1], w.shape[0])
+        elif isinstance(module, nn.QuantizedLinear):
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+            if "bias" in module:
+                new.bias = module["bias"].astype(mx.float32)
+        else:  # an unknown quantized kind: leave it quantized
+            continue
+        new.weight = w
+        mx.eval(new.parameters())
+        replaced.append((name, new))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return len(replaced)
 
 
 def resolve_model(source, revision: Optional[str] = None) -> Path:
@@ -195,9 +240,17 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
         raise ConfigError(f"{path}: weights are quantized but config.json has no 'quantization' block")
     check_weights(model, weights)
     model.load_weights(list(weights.items()), strict=True)
-    upcast = False
-    if compute_dtype == "float32" or (compute_dtype == "auto" and mx.default_device() == mx.cpu):
+    upcast, dequantized = False, 0
+    on_cpu = mx.default_device() == mx.cpu
+    if compute_dtype == "float32" or (compute_dtype == "auto" and on_cpu):
         upcast = compute_in_float32(model)
+        # MLX's CPU quantized kernels run far below float32 matmul with a real BLAS:
+        # dequantize at load when the float32 weights fit half the memory budget.
+        if compute_dtype == "auto" and q is not None:
+            from .memory import budget_bytes
+
+            if dequantized_size(model) <= budget_bytes() // 2:
+                dequantized = dequantize_modules(model)
     else:
         from .models.switch import cpu_float32_experts
 
@@ -208,7 +261,8 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
     generation_config = read_generation_config(path, config)
     tok = load_tokenizer(path, trust_remote_code) if tokenizer else None
     dtype = str(model.dtype).replace("mlx.core.", "")
-    return LoadedModel(path, config, args, family, model, tok, generation_config, source, dtype, upcast)
+    return LoadedModel(path, config, args, family, model, tok, generation_config, source, dtype, upcast,
+                       dequantized)
 
 
 __all__ = ["LoadedModel", "load", "DlmError"]

@@ -147,16 +147,19 @@ QUANT = {
 @pytest.mark.parametrize("name", list(QUANT))
 def test_quantized_agrees_with_dequantized_twin(tiny_dg_dir, tmp_path, name):
     qdir = convert_dir(tiny_dg_dir, tmp_path / name, **QUANT[name])
-    quant = api.load(qdir)
+    quant = api.load(qdir, compute_dtype="float32")  # MLX's quantized kernels
     kinds = {type(m).__name__ for _, m in quant.model.named_modules()}
     assert {"QuantizedLinear", "QuantizedSwitchLinear", "QuantizedEmbedding"} <= kinds
+    dequantized = api.load(qdir)  # the CPU default: dequantized at load when it fits
+    assert dequantized.dequantized and "QuantizedLinear" not in {type(m).__name__ for _, m in
+                                                                   dequantized.model.named_modules()}
     twin = api.load(dequantized_twin(qdir, tmp_path / f"{name}-twin"))
     assert "QuantizedLinear" not in {type(m).__name__ for _, m in twin.model.named_modules()}
     sc = np.random.default_rng(0).normal(size=(len(CANVAS), 512)).astype(np.float32) * 3
     for canvases, s in (([CANVAS], None), ([CANVAS, CANVAS2], sc)):
-        a = mlx_logits(quant, LONG, canvases, s)
         b = mlx_logits(twin, LONG, canvases, s)
-        assert np.abs(a - b).max() < 1e-4
+        assert np.abs(mlx_logits(quant, LONG, canvases, s) - b).max() < 1e-4
+        assert np.abs(mlx_logits(dequantized, LONG, canvases, s) - b).max() < 1e-4
 
 
 def test_bfloat16_weights_compute_in_float32_on_the_cpu_by_default(tiny_dg_dir, tmp_path):
