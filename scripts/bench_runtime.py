@@ -96,12 +96,16 @@ def run_vlm(model, processor, prompt_ids, max_tokens, steps, seed):
 
 
 def summarize(runs):
-    # Best-of-N: on a shared machine the fastest run is the least disturbed one.
-    gen = min(r["gen_seconds"] for r in runs)
-    tokens, steps = runs[0]["tokens"], runs[0]["steps"]
-    return dict(tokens=tokens, steps=steps, tokens_per_s=tokens / gen, ms_per_step=1000 * gen / steps,
-                best_gen_seconds=gen, median_gen_seconds=statistics.median(r["gen_seconds"] for r in runs),
-                reported_tps=max(r["reported_tps"] for r in runs))
+    """Each run's own rates (a run that stops early at EOS has fewer steps and
+    tokens: its time is divided by its own counts), then the median over the
+    runs with the min/max range."""
+    per_step = [1000 * r["gen_seconds"] / r["steps"] for r in runs]
+    tps = [r["tokens"] / r["gen_seconds"] for r in runs]
+    return dict(tokens=statistics.median(r["tokens"] for r in runs), steps=statistics.median(r["steps"] for r in runs),
+                ms_per_step=statistics.median(per_step), ms_per_step_range=[min(per_step), max(per_step)],
+                tokens_per_s=statistics.median(tps), tokens_per_s_range=[min(tps), max(tps)],
+                median_gen_seconds=statistics.median(r["gen_seconds"] for r in runs),
+                reported_tps=statistics.median(r["reported_tps"] for r in runs))
 
 
 def main():
@@ -159,8 +163,9 @@ def main():
             line = f"{size:5s} {dtype:3s} canvas {row['canvas']:3d}"
             for name in tools:
                 m = row[name]
+                lo, hi = m["ms_per_step_range"]
                 line += (f" | {name}: {m['tokens_per_s']:8.1f} tok/s {m['ms_per_step']:7.2f} ms/step"
-                         f" ({m['tokens']} tok, {m['steps']} steps)")
+                         f" [{lo:.1f}-{hi:.1f}] ({m['tokens']:g} tok, {m['steps']:g} steps)")
             if "speedup" in row:
                 line += f" | dlm/mlx-vlm {row['speedup']:.2f}x tok/s, {row['step_speedup']:.2f}x per step"
             print(line, flush=True)
