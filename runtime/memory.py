@@ -34,6 +34,14 @@ def machine_memory_bytes() -> int:
         return 16 * 2**30
 
 
+def scores_materialized() -> bool:
+    """Whether attention builds its full score matrix: MLX's CPU backend falls back
+    to a plain softmax(q k^T) v; Metal and CUDA run fused kernels that do not."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
 def budget_bytes(budget_gb: Optional[float] = None) -> int:
     if budget_gb is not None:
         return int(budget_gb * 1e9)

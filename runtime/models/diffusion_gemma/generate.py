@@ -29,7 +29,7 @@ import mlx.core as mx
 from ...errors import GenerationError
 from ...events import GenerationEvent
 from ...generate import Block, PrefixState, common_prefix, run
-from ...memory import check_budget
+from ...memory import check_budget, scores_materialized
 from ...options import resolve
 from ..base import ConfigReader
 from . import sampling as S
@@ -153,8 +153,8 @@ class CanvasSession:
     def memory_bytes(self, args) -> int:
         """Upper estimate of what one run holds: the prefix cache at its longest, a
         step's float32 canvas logits (logits, probabilities, self-conditioning,
-        scores), and the widest attention-score matrix (prefill chunk or canvas
-        against every cached position)."""
+        scores), and, where attention materializes it (the CPU backend), the widest
+        score matrix (a prefill chunk or the canvas against every cached position)."""
         s = self.settings
         positions = len(self.prompt_ids) + self.budget
         item = 4 if self.model.dtype == mx.float32 else 2
@@ -164,7 +164,7 @@ class CanvasSession:
         canvas = s.max_canvas
         logits = 6 * canvas * args.vocab_size * 4
         rows = max(min(s.prefill_step_size, len(self.prompt_ids)), canvas)
-        scores = 2 * args.num_attention_heads * rows * (positions + canvas) * 4
+        scores = 2 * args.num_attention_heads * rows * (positions + canvas) * 4 if scores_materialized() else 0
         return kv + logits + scores
 
     def prefill(self) -> None:

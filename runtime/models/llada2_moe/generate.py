@@ -45,7 +45,7 @@ import numpy as np
 from ...errors import GenerationError
 from ...events import GenerationEvent
 from ...generate import Block, PrefixState, common_prefix, run
-from ...memory import check_budget
+from ...memory import check_budget, scores_materialized
 from ...options import resolve
 from ..base import ConfigReader
 from .model import block_causal_mask
@@ -256,7 +256,7 @@ class BlockSession:
 
     def memory_bytes(self, args) -> int:
         """Upper estimate: the KV cache at its capacity, a step's float32 block
-        logits (with the sampler's sorted copies), and the widest attention-score
+        logits (with the sampler's sorted copies), and, on the CPU, the widest attention-score
         matrix (a prefill chunk or the [finished; active] window over the cache)."""
         bl = self.bl
         capacity = -(-(self.P + self.budget) // bl) * bl
@@ -264,7 +264,7 @@ class BlockSession:
         kv = args.num_hidden_layers * capacity * args.num_key_value_heads * args.head_dim * 2 * item
         logits = 8 * bl * args.vocab_size * 4
         rows = max(min(self.s.prefill_step_size, self.P), 2 * bl)
-        scores = 2 * args.num_attention_heads * rows * capacity * 4
+        scores = 2 * args.num_attention_heads * rows * capacity * 4 if scores_materialized() else 0
         return kv + logits + scores
 
     def set_stops(self, ids) -> None:
