@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Optional, Protocol
 
 import mlx.core as mx
 
+from .errors import GenerationError
 from .events import GenerationEvent, GenerationStats
 from .text import ChannelParser
 
@@ -58,6 +59,20 @@ class Session(Protocol):
     def prefill(self) -> None: ...
 
     def next_block(self, remaining: int) -> Block: ...
+
+
+def check_prompt(prompt_ids: list[int], args) -> None:
+    """A prompt any family can run: not empty, ids inside the vocabulary, shorter than the context."""
+    if not prompt_ids:
+        raise GenerationError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < args.vocab_size]
+    if bad:
+        raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (size {args.vocab_size})")
+    if len(prompt_ids) >= args.max_position_embeddings:
+        raise GenerationError(
+            f"the prompt has {len(prompt_ids)} tokens; the model context is "
+            f"{args.max_position_embeddings} (max_position_embeddings)"
+        )
 
 
 def trim(tokens: list[int], remaining: int, stop_ids) -> tuple[list[int], bool]:

@@ -39,8 +39,6 @@ DEFAULT_QUEUE_SIZE = 16
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # Runtime option -> the request field that sets it (temp <- temperature, ...).
 FIELD_OF = {option.name: field for field, option in OPTION_FIELDS.items()}
-# Options that shape the prompt rather than the generation loop.
-PROMPT_DEFAULTS = ("enable_thinking",)
 
 
 class StopMatcher:
@@ -339,13 +337,12 @@ class _Server:
                                                        chat_template=True, enable_thinking=thinking))
             return list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt, chat_template=False))
 
-    def check_request_options(self, requested: dict, options: dict, prompt_ids: list[int]):
-        """The family's settings for ``options`` and this prompt (context and
-        memory budget checked before anything is allocated), or a 400 naming the
-        request fields it refuses (its message speaks of options or CLI flags;
-        the client needs its own field names)."""
+    def check_request_options(self, requested: dict, options: dict):
+        """The family's settings for ``options``, or a 400 naming the request
+        fields it refuses (its message speaks of options or CLI flags; the
+        client needs its own field names)."""
         try:
-            return check_options(self.loaded, options, prompt_ids)
+            return check_options(self.loaded, options)
         except DlmError as exc:
             fields = []
             for name, value in requested.items():
@@ -369,12 +366,15 @@ class _Server:
             raise bad(str(exc)) from None
         if not prompt_ids:
             raise bad("the prompt is empty after tokenization", "messages" if kind == "chat" else "prompt")
-        settings = self.check_request_options(req.options, options, None)
+        settings = self.check_request_options(req.options, options)
         max_tokens = getattr(settings, "max_tokens", None)
         if self.context and max_tokens and len(prompt_ids) + max_tokens > self.context:
             raise bad(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                       f"model context of {self.context} tokens", "max_tokens")
-        self.check_request_options(req.options, options, prompt_ids)
+        try:  # the prompt and the memory budget, checked before the request takes a queue slot
+            self.loaded.family.generation().Session(self.loaded, prompt_ids, settings)
+        except DlmError as exc:
+            raise bad(str(exc)) from None
         loaded, runtime = self.loaded, self.runtime
 
         def run(cancel):
@@ -389,18 +389,11 @@ class _Server:
         return _JobResponse(self, job, req, len(prompt_ids), received_at)
 
 
-def check_options(loaded, options: dict, prompt_ids: Optional[list[int]] = None):
+def check_options(loaded, options: dict):
     """Let the family refuse inapplicable or bad options (GenerationError naming
     them) without generating: the server checks each request before it takes a
-    queue slot, and ``serve`` its defaults at startup. With ``prompt_ids`` the
-    family's session is built too, which checks the prompt, the context and the
-    memory budget, allocating nothing."""
-    options = {k: v for k, v in options.items() if k not in PROMPT_DEFAULTS}
-    gen = loaded.family.generation()
-    settings = gen.Settings.from_options(options, loaded.args, loaded.generation_config)
-    if prompt_ids is not None:
-        gen.Session(loaded, prompt_ids, settings)
-    return settings
+    queue slot, and ``serve`` its defaults at startup."""
+    return loaded.family.generation().Settings.from_options(options, loaded.args, loaded.generation_config)
 
 
 def _clear_mlx_cache() -> None:

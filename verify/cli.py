@@ -172,9 +172,10 @@ def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, 
            canvases, steps, stream_prompts, trust_remote_code, torch_threads, quiet):
     """Record reference logits and commit streams into a bundle (needs torch
     and the original weights; the comparison later needs neither)."""
-    import json
 
     from . import bundle as B
+    from dlm.runtime.checkpoint import read_json
+
     from .source import recorded_source
     from .suite import Options
     from .suite import record as run_record
@@ -182,7 +183,7 @@ def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, 
     progress = _setup(torch_threads, quiet)
     try:
         if not reference and mlx_dir:
-            config = json.loads((Path(mlx_dir) / "config.json").read_text())
+            config = read_json(Path(mlx_dir) / "config.json", "config.json")
             reference, recorded_rev = recorded_source(config)
             revision = revision or recorded_rev
         if not reference:

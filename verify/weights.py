@@ -9,7 +9,6 @@ cannot hide itself from the implementation-parity check.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from dlm.quantize.modes import module_quantization
-from dlm.runtime.checkpoint import weight_files
+from dlm.runtime.checkpoint import read_json, weight_files
 from dlm.runtime.errors import ConfigError, WeightError
 
 
@@ -62,7 +61,7 @@ def _quant_params(config: dict, module: str, has_biases: bool = False) -> dict |
 
 def precision(model_dir: Path, config: dict | None = None) -> Precision:
     model_dir = Path(model_dir)
-    config = config if config is not None else json.loads((model_dir / "config.json").read_text())
+    config = config if config is not None else read_json(model_dir / "config.json", "config.json")
     import mlx.core as mx
 
     dtypes: dict[str, int] = {}
@@ -146,7 +145,7 @@ def dequantized_weights(model_dir: Path, config: dict | None = None) -> Dequanti
     """Every converted tensor under its MLX name, quantized ones dequantized,
     as float32 numpy (what the weights *mean*, whatever their storage)."""
     model_dir = Path(model_dir)
-    config = config if config is not None else json.loads((model_dir / "config.json").read_text())
+    config = config if config is not None else read_json(model_dir / "config.json", "config.json")
     return DequantizedWeights(model_dir, config)
 
 

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ...errors import GenerationError
 from ...events import GenerationEvent
-from ...generate import Block, PrefixState, common_prefix, run
+from ...generate import Block, PrefixState, check_prompt, common_prefix, run
 from ...memory import check_budget, scores_materialized
 from ...options import resolve
 from ..base import ConfigReader
@@ -101,19 +101,6 @@ class Settings:
             prefill_step_size=options.get("prefill_step_size", 2048),
             memory_budget=options.get("memory_budget"),
             skip_special_tokens=options.get("skip_special_tokens", True),
-        )
-
-
-def check_prompt(prompt_ids: list[int], args) -> None:
-    if not prompt_ids:
-        raise GenerationError("the prompt is empty")
-    bad = [t for t in prompt_ids if not 0 <= int(t) < args.vocab_size]
-    if bad:
-        raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (size {args.vocab_size})")
-    if len(prompt_ids) >= args.max_position_embeddings:
-        raise GenerationError(
-            f"the prompt has {len(prompt_ids)} tokens; the model context is "
-            f"{args.max_position_embeddings} (max_position_embeddings)"
         )
 
 

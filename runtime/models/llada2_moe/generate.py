@@ -44,7 +44,7 @@ import numpy as np
 
 from ...errors import GenerationError
 from ...events import GenerationEvent
-from ...generate import Block, PrefixState, common_prefix, run
+from ...generate import Block, PrefixState, check_prompt, common_prefix, run
 from ...memory import check_budget, scores_materialized
 from ...options import resolve
 from ..base import ConfigReader
@@ -227,15 +227,10 @@ class BlockSession:
         self.prompt = prompt_ids
         self.P, self.bl = len(prompt_ids), s.block_length
         vocab = loaded.args.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
+        check_prompt(prompt_ids, loaded.args)
         if not 0 <= s.mask_token_id < vocab:
             raise GenerationError(f"mask token id {s.mask_token_id} is outside the vocabulary (size {vocab})")
         ctx = loaded.args.max_position_embeddings
-        if self.P >= ctx:
-            raise GenerationError(f"the prompt has {self.P} tokens; the model context is {ctx} "
-                                  "(max_position_embeddings)")
         if self.bl > ctx:
             raise GenerationError(f"--block-length {self.bl} exceeds the model context of {ctx} tokens")
         self.budget = min(s.max_tokens, ctx - self.P)
