@@ -139,14 +139,18 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 COMPUTE_DTYPES = ("auto", "native", "float32")
 
 
-def compute_in_float32(model) -> bool:
+def compute_in_float32(model, budget: Optional[int] = None) -> bool:
     """Upcast every half-precision parameter (weights, norms, quantization scales
-    and biases) to float32, exactly; returns whether anything changed."""
+    and biases) to float32, exactly; returns whether anything changed. With
+    ``budget`` (bytes), only when the extra memory (as much again as the half
+    parameters) fits in it: a full-size bf16 model on a small machine keeps bf16."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    updates = [(name, p.astype(mx.float32)) for name, p in tree_flatten(model.parameters())
-               if p.dtype in (mx.bfloat16, mx.float16)]
+    half = [(name, p) for name, p in tree_flatten(model.parameters()) if p.dtype in (mx.bfloat16, mx.float16)]
+    if budget is not None and sum(p.nbytes for _, p in half) > budget:
+        return False
+    updates = [(name, p.astype(mx.float32)) for name, p in half]
     if updates:
         model.load_weights(updates, strict=False)
     return bool(updates)
@@ -243,15 +247,15 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
     upcast, dequantized = False, 0
     on_cpu = mx.default_device() == mx.cpu
     if compute_dtype == "float32" or (compute_dtype == "auto" and on_cpu):
-        upcast = compute_in_float32(model)
+        from .memory import budget_bytes
+
+        # auto: only what fits half the memory budget (the rest is the generation's).
+        upcast = compute_in_float32(model, None if compute_dtype == "float32" else budget_bytes() // 2)
         # MLX's CPU quantized kernels run far below float32 matmul with a real BLAS:
         # dequantize at load when the float32 weights fit half the memory budget.
-        if compute_dtype == "auto" and q is not None:
-            from .memory import budget_bytes
-
-            if dequantized_size(model) <= budget_bytes() // 2:
-                dequantized = dequantize_modules(model)
-    else:
+        if compute_dtype == "auto" and q is not None and dequantized_size(model) <= budget_bytes() // 2:
+            dequantized = dequantize_modules(model)
+    if on_cpu and not upcast:  # the CPU gather_mm is float32-only
         from .models.switch import cpu_float32_experts
 
         cpu_float32_experts(model)

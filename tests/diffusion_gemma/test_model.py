@@ -174,3 +174,17 @@ def test_bfloat16_weights_compute_in_float32_on_the_cpu_by_default(tiny_dg_dir, 
     want = hf_logits(ref, LONG, [CANVAS, CANVAS2])
     got = mlx_logits(loaded, LONG, [CANVAS, CANVAS2])
     assert np.abs(got - want).max() < 1e-4
+
+
+def test_the_float32_upcast_stays_within_the_memory_budget(tiny_dg_dir, tmp_path, monkeypatch):
+    """A bf16 model whose float32 copy would not fit keeps bf16 (experts in float32 for gather_mm)."""
+    from dlm.runtime import memory
+
+    bf16_dir = convert_dir(tiny_dg_dir, tmp_path / "bf16", dtype="bfloat16")
+    monkeypatch.setattr(memory, "budget_bytes", lambda gb=None: 0 if gb is None else int(gb * 1e9))  # a full machine
+    loaded = api.load(bf16_dir)
+    assert not loaded.upcast and loaded.model.dtype == mx.bfloat16
+    experts = loaded.model.layers[0].experts.gate_up_proj
+    assert experts["weight"].dtype == mx.float32
+    opts = {"max_tokens": 4, "max_denoising_steps": 2, "seed": 0, "memory_budget": 8.0}
+    assert api.generate(loaded, [2, 10, 11], opts).token_ids
