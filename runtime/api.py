@@ -7,6 +7,10 @@
         print(event.reasoning or event.text, end="", flush=True)
     result = api.generate(loaded, ids, {"max_tokens": 64})
 
+    # Images (DiffusionGemma with a vision tower): paths, bytes, data: URLs or PIL images.
+    inputs = api.encode_inputs(loaded, "What is in this picture?", images=["cat.png"])
+    result = api.generate(loaded, inputs, {"max_tokens": 64})
+
 ``options`` use the snake_case names of the ``dlm-run generate`` flags, as each
 family declares them in ``dlm.runtime.models.<family>.options``. An option that
 does not apply to the family raises GenerationError naming its flag.
@@ -19,6 +23,7 @@ from typing import Callable, Iterator, Optional
 
 from .errors import ConfigError, GenerationError
 from .events import GenerationEvent, GenerationStats
+from .inputs import PromptInputs, split_prompt
 from .loader import LoadedModel
 from .loader import load as _load
 
@@ -62,47 +67,102 @@ def encode_prompt(
     chat_template: bool = True,
     enable_thinking: bool = False,
 ) -> list[int]:
-    """Token ids of a prompt.
+    """Token ids of a text prompt.
 
     With ``chat_template`` (default) the tokenizer's template renders
     ``messages`` (or a single user turn holding ``prompt``, after an optional
     ``system`` turn) with the generation prompt appended and ``enable_thinking``
     passed to the template. Without it ``prompt`` is tokenized as raw text,
-    starting with BOS when the tokenizer has one.
+    starting with BOS when the tokenizer has one. Prompts with images:
+    ``encode_inputs``.
+    """
+    return encode_inputs(loaded, prompt, messages, system=system, chat_template=chat_template,
+                         enable_thinking=enable_thinking).ids
+
+
+def encode_inputs(
+    loaded: LoadedModel,
+    prompt: Optional[str] = None,
+    messages: Optional[list[dict]] = None,
+    images: Optional[list] = None,
+    system: Optional[str] = None,
+    chat_template: bool = True,
+    enable_thinking: bool = False,
+) -> PromptInputs:
+    """A prompt with images, ready for ``generate`` / ``stream_generate``.
+
+    ``images``: file paths, bytes, ``data:`` URLs or PIL images, in prompt
+    order. With a chat template, a ``prompt`` becomes one user turn with the
+    images before the text; ``messages`` place them themselves, as content
+    parts ``{"type": "image"}`` (the i-th part takes ``images[i]``) in any
+    turn. Without a chat template the raw ``prompt`` must hold one image token
+    per image. Each image is preprocessed by the family (the model's own
+    processor files) and its placeholder expanded to its soft tokens.
     """
     tok = loaded.tokenizer
     if tok is None:
         raise ConfigError(f"{loaded.path}: no tokenizer loaded")
+    images = list(images or [])
+    processor = image_processor(loaded) if images or _has_image_parts(messages) else None
     if not chat_template:
         if prompt is None:
             raise GenerationError("a raw (no chat template) prompt needs prompt text, not messages")
-        ids = list(tok.encode(prompt, add_special_tokens=False))
+        text = prompt
+    else:
+        if messages is None:
+            if prompt is None:
+                raise GenerationError("give a prompt or messages")
+            content = ([{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+                       if images else prompt)
+            messages = [{"role": "user", "content": content}]
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + list(messages)
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError(f"{loaded.path}: the tokenizer has no chat template (use raw text: --no-chat-template)")
+        try:
+            text = tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+            )
+        except Exception as exc:
+            raise GenerationError(f"chat template failed: {exc}") from None
+    processed = []
+    if processor is not None:
+        processed = processor.preprocess(images)
+        text = processor.expand(text, processed)
+    ids = list(tok.encode(text, add_special_tokens=False))
+    if not chat_template:
         bos = getattr(tok, "bos_token_id", None)
         if bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
-        return ids
-    if messages is None:
-        if prompt is None:
-            raise GenerationError("give a prompt or messages")
-        messages = [{"role": "user", "content": prompt}]
-    if system is not None:
-        messages = [{"role": "system", "content": system}] + list(messages)
-    if not getattr(tok, "chat_template", None):
-        raise ConfigError(f"{loaded.path}: the tokenizer has no chat template (use raw text: --no-chat-template)")
-    try:
-        text = tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-        )
-    except Exception as exc:
-        raise GenerationError(f"chat template failed: {exc}") from None
-    return list(tok.encode(text, add_special_tokens=False))
+    return PromptInputs(ids, processed)
+
+
+def _has_image_parts(messages) -> bool:
+    return any(isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
+               for m in messages or [] if isinstance(m, dict))
+
+
+def image_processor(loaded: LoadedModel):
+    """The family's image processor for this model (built from its processor
+    files on first use), or GenerationError when the model takes no images (a
+    text-only conversion, a text-only family)."""
+    if loaded.image_processor is None:
+        title, family = loaded.family.title, loaded.family.model()
+        if not hasattr(family, "ImageProcessor") or loaded.args.text_only:
+            why = (f"{title} is text-only" if not hasattr(family, "ImageProcessor")
+                   else f"this {title} model has no vision tower (a text-only conversion)")
+            raise GenerationError(f"{loaded.source or loaded.path}: image input is not supported: {why}")
+        loaded.image_processor = family.ImageProcessor.from_model_dir(loaded.path, loaded.args, loaded.tokenizer)
+    return loaded.image_processor
 
 
 def stream_generate(
-    loaded: LoadedModel, prompt_ids: list[int], options: Optional[dict] = None,
+    loaded: LoadedModel, prompt, options: Optional[dict] = None,
     cancel: Optional[Callable[[], bool]] = None, **hooks,
 ) -> Iterator[GenerationEvent]:
-    """Events: one per committed canvas/block in sequence order, then a final one
+    """``prompt``: token ids, or the PromptInputs of ``encode_inputs`` (images).
+    Events: one per committed canvas/block in sequence order, then a final one
     with ``finish_reason`` ("stop" | "length" | "cancelled") and ``stats``.
     ``cancel`` is polled once per denoising step. Keyword hooks go to the
     family's loop; every family takes ``watch(block_index, step, token_ids)``
@@ -111,16 +171,19 @@ def stream_generate(
     does); ``on_step`` is the family's own parity hook."""
     gen = loaded.family.generation()
     settings = gen.Settings.from_options(dict(options or {}), loaded.args, loaded.generation_config)
-    return gen.stream_generate(loaded, list(prompt_ids), settings, cancel, **hooks)
+    ids, images = split_prompt(prompt)
+    if images:
+        hooks["images"] = images
+    return gen.stream_generate(loaded, ids, settings, cancel, **hooks)
 
 
 def generate(
-    loaded: LoadedModel, prompt_ids: list[int], options: Optional[dict] = None,
+    loaded: LoadedModel, prompt, options: Optional[dict] = None,
     cancel: Optional[Callable[[], bool]] = None, **hooks,
 ) -> GenerationResult:
     result = GenerationResult()
     text, reasoning = [], []
-    for event in stream_generate(loaded, prompt_ids, options, cancel, **hooks):
+    for event in stream_generate(loaded, prompt, options, cancel, **hooks):
         text.append(event.text)
         reasoning.append(event.reasoning)
         if event.done:

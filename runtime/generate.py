@@ -105,7 +105,9 @@ def run(session: Session, loaded, prompt_ids: list[int],
     mx.reset_peak_memory()
     start = time.perf_counter()
     session.prefill()
-    stats.prompt_seconds = time.perf_counter() - start
+    stats.vision_seconds = getattr(session, "vision_seconds", 0.0)
+    stats.image_tokens = getattr(session, "image_tokens", 0)
+    stats.prompt_seconds = time.perf_counter() - start - stats.vision_seconds
     stats.cached_prompt_tokens = getattr(session, "cached_tokens", 0)
 
     start = time.perf_counter()

@@ -30,6 +30,8 @@ class LoadedModel:
     compute_dtype: str = "float32"  # what the model computes in (see COMPUTE_DTYPES)
     upcast: bool = False  # half-precision weights were upcast to float32 for the CPU backend
     dequantized: int = 0  # quantized modules dequantized to float32 at load (CPU backend)
+    # The family's image processor, built on first use (api.image_processor).
+    image_processor: Any = None
 
 
 def load_weights(path: Path) -> dict:
@@ -236,7 +238,7 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
         ) from None
     args = module.ModelArgs.from_config(config, str(path / "config.json"))
     model = module.Model(args)
-    weights = module.sanitize(load_weights(path))
+    weights = module.sanitize(load_weights(path), args)
     q = quantization_block(config)
     if q is not None:
         apply_quantization(model, q, weights)

@@ -38,12 +38,14 @@ CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?+-
 
 
 def _build_char_tokenizer(out_dir: str | Path, vocab_size: int, special_tokens: dict[int, str],
-                          chat_template: str, add_bos_token: bool | None = None, **named_tokens) -> None:
+                          chat_template: str, add_bos_token: bool | None = None,
+                          extra_special_tokens: dict | None = None, **named_tokens) -> None:
     """Write tokenizer.json / tokenizer_config.json / chat_template.jinja for a WordLevel
     tokenizer over single characters: the special tokens at their ids, then CHARS on the
     free ids, then ``<unusedN>`` for the rest (so every id decodes to something).
     ``named_tokens`` (bos_token=..., eos_token=...) give special tokens their roles; the
-    other special tokens become additional special tokens."""
+    other special tokens become additional special tokens; ``extra_special_tokens``
+    names more of them (Gemma 4's image_token / boi_token / eoi_token)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -56,9 +58,10 @@ def _build_char_tokenizer(out_dir: str | Path, vocab_size: int, special_tokens: 
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    named = set(named_tokens.values())
+    named = set(named_tokens.values()) | set((extra_special_tokens or {}).values())
+    extra = {"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, **named_tokens,
+        tokenizer_object=tok, **named_tokens, **extra,
         additional_special_tokens=[t for _, t in sorted(special_tokens.items()) if t not in named],
     )
     fast.chat_template = chat_template
@@ -98,6 +101,10 @@ DG_SPECIAL_TOKENS = {
     48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>", 52: '<|"|>',
     98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>", 106: "<turn|>",
 }
+# Gemma 4's image tokens (the release: boi 255999, image 258880, eoi 258882), at
+# the tiny config's ids; the processor expands each image token to boi + n x image + eoi.
+DG_IMAGE_TOKENS = {500: "<|image|>", 501: "<|image>", 502: "<image|>"}
+DG_IMAGE_NAMES = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"}
 DG_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% set msgs = messages %}"
@@ -107,7 +114,9 @@ DG_CHAT_TEMPLATE = (
     "{% elif msgs and msgs[0]['role'] == 'system' %}<|turn>system\n{{ msgs[0]['content'] }}<turn|>\n"
     "{% set msgs = msgs[1:] %}{% endif %}"
     "{% for m in msgs %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{{ m['content'] }}<turn|>\n{% endfor %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<|image|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<turn|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
 DG_TEXT = dict(
@@ -122,6 +131,19 @@ DG_VISION = dict(
     num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
     position_embedding_size=64,
 )
+# The processor files a Gemma 4 repo has (processor_config.json, as
+# Gemma4Processor.save_pretrained writes it), scaled to the tiny tower:
+# 70 soft tokens x pooling 2^2 = 280 patches of 4 x 4 pixels.
+DG_IMAGE_PROCESSOR = {
+    "do_convert_rgb": True, "do_normalize": False, "do_rescale": True, "do_resize": True,
+    "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
+    "image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 70, "patch_size": 4,
+    "pooling_kernel_size": 2, "resample": 3, "rescale_factor": 1 / 255,
+}
+DG_PROCESSOR_CONFIG = {
+    "audio_ms_per_token": 40, "audio_seq_length": 750, "image_processor": DG_IMAGE_PROCESSOR,
+    "image_seq_length": 70, "processor_class": "Gemma4Processor",
+}
 DG_GENERATION = {
     "confidence_threshold": 0.005, "eos_token_id": [1, 106, 50], "max_denoising_steps": 48,
     "max_new_tokens": 256, "pad_token_id": 0,
@@ -131,9 +153,15 @@ DG_GENERATION = {
 
 
 def build_diffusion_gemma_tokenizer(vocab_size: int, out_dir: str | Path) -> None:
-    """The Gemma-4-style character tokenizer (no BOS added on encode; the template adds it)."""
-    _build_char_tokenizer(out_dir, vocab_size, DG_SPECIAL_TOKENS, DG_CHAT_TEMPLATE, add_bos_token=False,
-                          bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    """The Gemma-4-style character tokenizer (no BOS added on encode; the template adds it),
+    with Gemma 4's image tokens when the vocabulary holds their tiny ids."""
+    special, names = dict(DG_SPECIAL_TOKENS), None
+    if vocab_size > max(DG_IMAGE_TOKENS):
+        special.update(DG_IMAGE_TOKENS)
+        names = DG_IMAGE_NAMES
+    _build_char_tokenizer(out_dir, vocab_size, special, DG_CHAT_TEMPLATE, add_bos_token=False,
+                          extra_special_tokens=names, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                          unk_token="<unk>")
 
 
 def build_diffusion_gemma(
@@ -159,6 +187,8 @@ def build_diffusion_gemma(
     out_dir = Path(out_dir)
     text = dict(DG_TEXT, **(text_overrides or {}))
     vis = dict(DG_VISION, num_hidden_layers=2 if vision else 1, standardize=vision)
+    if vision:  # position table wide enough for the widest image (280 patches, 2 rows)
+        vis["position_embedding_size"] = 160
     config = DiffusionGemmaConfig(
         text_config=text, vision_config=vis, canvas_length=canvas_length,
         image_token_id=500, boi_token_id=501, eoi_token_id=502, eos_token_id=[1, 106],
@@ -190,6 +220,8 @@ def build_diffusion_gemma(
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     (out_dir / "generation_config.json").write_text(json.dumps(DG_GENERATION, indent=2))
     build_diffusion_gemma_tokenizer(text["vocab_size"], out_dir)
+    if vision:
+        (out_dir / "processor_config.json").write_text(json.dumps(DG_PROCESSOR_CONFIG, indent=2))
     return model
 
 

@@ -27,6 +27,32 @@ def tiny_dg_mlx_dir(tiny_dg_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_dg_vision_dir(tmp_path_factory):
+    """A tiny random multimodal DiffusionGemma (2-layer vision tower, processor files)."""
+    from tests.builders import build_diffusion_gemma
+
+    out = tmp_path_factory.mktemp("tiny_dg_vision")
+    build_diffusion_gemma(out, form="hub", vision=True, seed=3)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dg_vision_mlx_dir(tiny_dg_vision_dir, tmp_path_factory):
+    """``tiny_dg_vision_dir`` converted by dlm-convert (float32, vision tower kept)."""
+    from tests.builders import convert_dir
+
+    return convert_dir(tiny_dg_vision_dir, tmp_path_factory.mktemp("tiny_dg_vision_mlx") / "f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_dg_vision_torch(tiny_dg_vision_dir):
+    """``tiny_dg_vision_dir`` loaded by transformers (float32, eval): the reference."""
+    from tests.builders import load_diffusion_gemma_hf
+
+    return load_diffusion_gemma_hf(tiny_dg_vision_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_llada2_mlx_dir(tmp_path_factory):
     """A tiny random LLaDA-2 checkpoint converted by dlm-convert (float32)."""
     from tests.builders import build_llada2, convert_dir

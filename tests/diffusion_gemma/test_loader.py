@@ -15,6 +15,7 @@ from dlm.runtime.errors import ConfigError, UnsupportedModelError, WeightError
 from dlm.runtime.loader import apply_quantization
 from dlm.runtime.models.diffusion_gemma import ModelArgs, Model, sanitize
 from tests import PEER
+from tests.builders import DG_TEXT
 
 PROMPT, CANVAS = list(range(2, 14)), [5, 9, 33, 400, 7, 8, 100, 3]
 
@@ -72,6 +73,15 @@ def test_sanitize_rules():
     }
     assert sanitize(w) == {
         "model.encoder.language_model.layers.0.layer_scalar": 3,
+        "model.decoder.layers.0.experts.down_proj.weight": 7, "model.decoder.norm.weight": 8,
+    }
+    # A model with a vision tower keeps the tower and embed_vision (clip bounds only when used).
+    vision = ModelArgs.from_config({"model_type": "diffusion_gemma", "text_config": DG_TEXT,
+                                    "vision_config": {"hidden_size": 8}})
+    w["model.encoder.vision_tower.encoder.layers.0.mlp.up_proj.input_max"] = 9
+    assert sanitize(w, vision) == {
+        "model.encoder.language_model.layers.0.layer_scalar": 3,
+        "model.encoder.vision_tower.std_bias": 5, "model.encoder.embed_vision.embedding_projection.weight": 6,
         "model.decoder.layers.0.experts.down_proj.weight": 7, "model.decoder.norm.weight": 8,
     }
 

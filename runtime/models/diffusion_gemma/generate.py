@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ...errors import GenerationError
 from ...events import GenerationEvent
@@ -35,6 +37,7 @@ from ..base import ConfigReader
 from . import sampling as S
 from .canvas import DebugDraws, DenoiseConfig, RandomDraws, StepHook, denoise_canvas
 from .config import SLIDING
+from .model import image_blocks
 from .options import OPTIONS
 
 
@@ -113,10 +116,14 @@ class CanvasSession:
 
     def __init__(self, loaded, prompt_ids: list[int], settings: Settings,
                  cancel: Optional[Callable[[], bool]] = None, on_step: Optional[StepHook] = None,
-                 prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None):
+                 prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
+                 images: Optional[list] = None):
         self.model, args = loaded.model, loaded.args
         self.prompt_ids = [int(t) for t in prompt_ids]
         check_prompt(self.prompt_ids, args)
+        self.images = list(images or [])
+        self.vision_seconds, self.image_tokens = 0.0, sum(i.soft_tokens for i in self.images)
+        self.blocks = self._image_blocks(args) if self.images else None
         self.settings, self.cancel, self.on_step = settings, cancel, on_step
         # The thinking channel is split on ids before decoding, so skipping
         # special tokens never loses its markers.
@@ -137,6 +144,20 @@ class CanvasSession:
         self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
         self.canvas_index = 0
 
+    def _image_blocks(self, args) -> np.ndarray:
+        """Image block ids per prompt position, checked against the images' soft tokens."""
+        if not self.model.has_vision:
+            raise GenerationError("this DiffusionGemma model has no vision tower (a text-only conversion); "
+                                  "it takes no images")
+        blocks = image_blocks(self.prompt_ids, args.image_token_id)
+        found = int((blocks >= 0).sum())
+        if found != self.image_tokens:
+            raise GenerationError(
+                f"the prompt has {found} image tokens (id {args.image_token_id}) but its "
+                f"{len(self.images)} image(s) make {self.image_tokens} soft tokens"
+            )
+        return blocks
+
     def memory_bytes(self, args) -> int:
         """Upper estimate of what one run holds: the prefix cache at its longest, a
         step's float32 canvas logits (logits, probabilities, self-conditioning,
@@ -151,10 +172,27 @@ class CanvasSession:
         canvas = s.max_canvas
         logits = 6 * canvas * args.vocab_size * 4
         rows = max(min(s.prefill_step_size, len(self.prompt_ids)), canvas)
+        if self.blocks is not None:  # a chunk grows to hold a whole image block
+            rows = max(rows, max(i.soft_tokens for i in self.images) + s.prefill_step_size)
         scores = 2 * args.num_attention_heads * rows * (positions + canvas) * 4 if scores_materialized() else 0
-        return kv + logits + scores
+        return kv + logits + scores + self._vision_bytes(args)
+
+    def _vision_bytes(self, args) -> int:
+        """The vision tower's widest image: activations (float32) and, on the CPU
+        backend, its patch x patch attention scores."""
+        if not self.images:
+            return 0
+        v = args.vision_config or {}
+        patches = max(int((i.position_ids >= 0).all(-1).sum()) for i in self.images)
+        hidden, inter = int(v.get("hidden_size", 768)), int(v.get("intermediate_size", 3072))
+        acts = patches * (6 * hidden + 3 * inter) * 4
+        heads = int(v.get("num_attention_heads", 12))
+        return acts + (2 * heads * patches * patches * 4 if scores_materialized() else 0)
 
     def prefill(self) -> None:
+        if self.images:
+            self._prefill_images()
+            return
         state, prompt = self.prefix, self.prompt_ids
         # A kept cache serves the prompt's shared prefix when every layer can rewind to it
         # (sliding layers only hold their window); the last prompt token is always encoded.
@@ -168,6 +206,21 @@ class CanvasSession:
         self.model.prefill(prompt[self.cached_tokens:], self.cache, self.settings.prefill_step_size)
         if state is not None:
             state.cache, state.ids = self.cache, list(prompt)
+
+    def _prefill_images(self) -> None:
+        """Vision encoder (timed on its own), then the prompt with the image
+        features in place and each image block bidirectional. A fresh cache,
+        and none kept for later runs (its image positions hold pixels the ids
+        do not name)."""
+        start = time.perf_counter()
+        features = [self.model.encode_image(i.pixel_values, i.position_ids) for i in self.images]
+        features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
+        mx.eval(features)
+        self.vision_seconds = time.perf_counter() - start
+        self.cache, self.cached_tokens = self.model.make_cache(), 0
+        self.model.prefill(self.prompt_ids, self.cache, self.settings.prefill_step_size, features, self.blocks)
+        if self.prefix is not None:
+            self.prefix.cache, self.prefix.ids = None, []
 
     def _step_hook(self, index: int) -> Optional[StepHook]:
         """on_step, plus the watcher (which sees the canvas as it stands: its argmax)."""
@@ -206,12 +259,14 @@ def stream_generate(
     loaded, prompt_ids: list[int], settings: Settings,
     cancel: Optional[Callable[[], bool]] = None, *, on_step: Optional[StepHook] = None,
     prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
+    images: Optional[list] = None,
 ) -> Iterator[GenerationEvent]:
     """Events: one per committed canvas (sequence order), then a final event.
 
     ``on_step(step_index, logits, argmax)``: optional per-step hook (parity traces);
     ``watch(canvas_index, step, token_ids)``: the canvas after every step (--verbose);
-    ``prefix``: a PrefixState kept across runs (chat).
+    ``prefix``: a PrefixState kept across runs (chat); ``images``: the
+    ImageInputs of a PromptInputs (their placeholders are in ``prompt_ids``).
     """
-    session = CanvasSession(loaded, prompt_ids, settings, cancel, on_step, prefix, watch)
+    session = CanvasSession(loaded, prompt_ids, settings, cancel, on_step, prefix, watch, images)
     return run(session, loaded, session.prompt_ids, cancel)

@@ -179,13 +179,23 @@ class Attention(nn.Module):
             x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs
         )
 
-    def _encoder_mask(self, n_prev: int, S: int):
+    def _encoder_mask(self, n_prev: int, S: int, blocks: Optional[mx.array] = None):
         # Queries sit at positions n_prev..n_prev+S-1 of the visible key run.
-        if not self.is_sliding or n_prev + S <= self.window:
+        # ``blocks`` (the chunk's image block ids, -1 for text): positions of one image
+        # block see each other in full and sliding layers alike (reference §5.3);
+        # a chunk never splits a block, so the cached keys are never in one.
+        windowed = self.is_sliding and n_prev + S > self.window
+        if blocks is None and not windowed:
             return "causal" if S > 1 else None
         q = mx.arange(n_prev, n_prev + S)[:, None]
         k = mx.arange(n_prev + S)[None, :]
-        return (k <= q) & (k > q - self.window)
+        mask = k <= q
+        if windowed:
+            mask = mask & (k > q - self.window)
+        if blocks is not None:
+            keys = mx.concatenate([mx.full((n_prev,), -1, dtype=blocks.dtype), blocks]) if n_prev else blocks
+            mask = mask | ((blocks[:, None] == keys[None, :]) & (blocks[:, None] >= 0))
+        return mask
 
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as [B, heads, S, d]: normed, RoPE'd at positions offset.. (v: weightless norm)."""
@@ -198,13 +208,14 @@ class Attention(nn.Module):
         v = rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)
         return self._rope(q, offset), self._rope(k, offset), v
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: PrefixCache, encode: bool) -> mx.array:
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: PrefixCache, encode: bool,
+               blocks: Optional[mx.array] = None) -> mx.array:
         """Attention output before o_proj, [B, heads, S, d] (see ``output``)."""
         S = q.shape[2]
         if encode:
             n_prev = cache.length
             keys, values = cache.update(k, v)
-            mask = self._encoder_mask(n_prev, S)
+            mask = self._encoder_mask(n_prev, S, blocks)
         else:  # the decoder reads the cache, never writes it; no mask at all
             keys, values, mask = k, v, None
             if cache.keys is not None:
@@ -326,14 +337,15 @@ class DecoderLayer(nn.Module):
     def __call__(
         self, x: mx.array, cache: PrefixCache, offset: int, encode: bool,
         layer_scalar: Optional[mx.array] = None, attention_only: bool = False,
-        compiled: bool = False,
+        compiled: bool = False, blocks: Optional[mx.array] = None,
     ) -> Optional[mx.array]:
         """One layer (``compiled``: fused pieces; ``offset`` must then be an mx.array).
         ``attention_only`` (last encoder layer) only writes the cache
-        and returns None: nothing downstream reads that layer's output."""
+        and returns None: nothing downstream reads that layer's output.
+        ``blocks``: the encoder chunk's image block ids (bidirectional blocks)."""
         project, finish = self.compiled() if compiled else (self._project, self._finish)
         q, k, v = project(x, offset)
-        attn = self.self_attn.attend(q, k, v, cache, encode)
+        attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
         if attention_only:
             return None
         return finish(x, attn, self["layer_scalar"] if layer_scalar is None else layer_scalar)

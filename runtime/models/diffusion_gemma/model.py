@@ -16,6 +16,7 @@ import numpy as np
 
 from .config import SLIDING, ModelArgs
 from .layers import DecoderLayer, PrefixCache, RMSNorm, SelfConditioning
+from .vision import MultimodalEmbedder, VisionArgs, VisionModel
 
 def _is_quantized(module: nn.Module) -> bool:
     return "scales" in module
@@ -101,6 +102,10 @@ class EncoderModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.language_model = EncoderTextModel(args)
+        if not args.text_only:
+            vision = VisionArgs.from_config(args.vision_config)
+            self.vision_tower = VisionModel(vision)
+            self.embed_vision = MultimodalEmbedder(vision.hidden_size, args.hidden_size, vision.rms_norm_eps)
 
 
 class Backbone(nn.Module):
@@ -108,6 +113,34 @@ class Backbone(nn.Module):
         super().__init__()
         self.decoder = DecoderModel(args)
         self.encoder = EncoderModel(args)
+
+
+def chunks(length: int, size: int, blocks: Optional[np.ndarray] = None):
+    """(start, end) prefill chunks of at most ``size`` positions, except that a
+    chunk never ends inside an image block: it ends before the block, or after
+    it when the block starts the chunk (a block longer than ``size``)."""
+    start = 0
+    while start < length:
+        end = min(start + size, length)
+        if blocks is not None and end < length and blocks[end] >= 0 and blocks[end - 1] == blocks[end]:
+            block, first = blocks[end], end
+            while first > start and blocks[first - 1] == block:
+                first -= 1
+            if first > start:
+                end = first
+            else:
+                while end < length and blocks[end] == block:
+                    end += 1
+        yield start, end
+        start = end
+
+
+def image_blocks(ids: list[int], image_token_id: int) -> np.ndarray:
+    """Per position: the index of its image block (maximal run of image
+    tokens), -1 for text."""
+    image = np.asarray(ids) == image_token_id
+    starts = image & ~np.concatenate([[False], image[:-1]])
+    return np.where(image, np.cumsum(starts) - 1, -1)
 
 
 class Model(nn.Module):
@@ -153,20 +186,53 @@ class Model(nn.Module):
         ids = ids.astype(mx.int32) if ids.dtype != mx.int32 else ids
         return ids[None] if ids.ndim == 1 else ids
 
-    def encode(self, ids, cache: list[PrefixCache], offset: Optional[int] = None) -> None:
+    @property
+    def has_vision(self) -> bool:
+        return "vision_tower" in self.model.encoder
+
+    def encode_image(self, pixel_values: np.ndarray, position_ids: np.ndarray) -> mx.array:
+        """One preprocessed image (processor output, padded) -> its soft tokens
+        [n, hidden] in the text embedding space (lazy)."""
+        real = (position_ids >= 0).all(axis=-1)
+        enc = self.model.encoder
+        pixels = mx.array(np.ascontiguousarray(pixel_values[real], dtype=np.float32))
+        return enc.embed_vision(enc.vision_tower(pixels, position_ids[real]))
+
+    def encode(self, ids, cache: list[PrefixCache], offset: Optional[int] = None,
+               features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None) -> None:
+        """``features`` [n, hidden] replace the embeddings where ``blocks`` >= 0
+        (in order); ``blocks`` ([S] ints, -1 for text) also makes each image
+        block bidirectional in every layer (reference §5.3)."""
         ids = self._ids(ids)
         offset = cache[0].offset if offset is None else offset
         dec = self.model.decoder
         scalars = self.model.encoder.language_model.layers
         h = dec.embed(ids)
+        block_ids = None
+        if blocks is not None and (blocks >= 0).any():
+            image = blocks >= 0
+            rows = np.cumsum(image) - 1  # the feature row of each image position
+            source = mx.array(np.where(image, rows, 0).astype(np.int32))
+            h = mx.where(mx.array(image)[None, :, None], features.astype(h.dtype)[source][None], h)
+            block_ids = mx.array(blocks.astype(np.int32))
         last = len(dec.layers) - 1
         for i, layer in enumerate(dec.layers):
-            h = layer(h, cache[i], offset, True, scalars[i]["layer_scalar"], attention_only=i == last)
+            h = layer(h, cache[i], offset, True, scalars[i]["layer_scalar"], attention_only=i == last,
+                      blocks=block_ids)
 
-    def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = 2048) -> None:
+    def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = 2048,
+                features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None) -> None:
+        """``encode`` in chunks, each evaluated. With images (``features``,
+        ``blocks`` as in encode), no chunk boundary splits an image block."""
         ids = self._ids(ids)
-        for start in range(0, ids.shape[1], chunk_size):
-            self.encode(ids[:, start : start + chunk_size], cache)
+        for start, end in chunks(ids.shape[1], chunk_size, blocks):
+            if blocks is None:
+                self.encode(ids[:, start:end], cache)
+            else:
+                done = int((blocks[:start] >= 0).sum())
+                n = int((blocks[start:end] >= 0).sum())
+                self.encode(ids[:, start:end], cache, None, features[done : done + n] if n else None,
+                            blocks[start:end])
             mx.eval([c.state for c in cache])
 
     def decode(

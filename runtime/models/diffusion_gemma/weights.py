@@ -100,6 +100,7 @@ def plan_weights(
     """
     expected = expected_text_shapes(args)
     keep_vision = not text_only and not args.text_only
+    clipped = keep_vision and bool((args.vision_config or {}).get("use_clipped_linears"))
     plans: list[TensorPlan] = []
     for name, want in expected.items():
         if name not in source:
@@ -114,7 +115,7 @@ def plan_weights(
         if name in expected:
             continue
         if name.startswith(_VISION):
-            if keep_vision and not _CLIPPED.search(name):
+            if keep_vision and (clipped or not _CLIPPED.search(name)):
                 plans.append(TensorPlan(name, (name,)))
             continue
         if (
@@ -152,10 +153,10 @@ def quant_class(path: str) -> str | None:
 
 # Load time: HF checkpoints and mlx-community conversions load as they are.
 _UNFUSED = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
-_DROP = re.compile(r"(^lm_head\.|rotary_emb|inv_freq$|^model\.encoder\.(vision_tower|embed_vision)\.)")
+_DROP = re.compile(r"(^lm_head\.|rotary_emb|inv_freq$)")
 
 
-def sanitize(weights: dict) -> dict:
+def sanitize(weights: dict, args: ModelArgs | None = None) -> dict:
     """Map any supported on-disk layout onto this module tree.
 
     * HF names: fused experts ``experts.gate_up_proj`` / ``experts.down_proj`` get
@@ -163,12 +164,19 @@ def sanitize(weights: dict) -> dict:
     * Un-fused per-expert keys (``experts.{e}.{gate,up,down}_proj.{weight,scales,biases}``)
       are stacked and gate/up fused along the output axis.
     * ``model.encoder.language_model.*`` keeps only ``layers.{i}.layer_scalar``.
-    * Vision tower / embed_vision tensors are dropped (text-only runtime).
+    * Vision tower / embed_vision tensors are dropped when ``args`` has no
+      vision tower (a text-only config), and so are the clip bounds of a tower
+      without use_clipped_linears.
     """
     out: dict = {}
     unfused: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    vision = None if args is None else args.vision_config
     for name, value in weights.items():
         if _DROP.search(name):
+            continue
+        if name.startswith(_VISION) and (
+            not vision or (_CLIPPED.search(name) and not vision.get("use_clipped_linears"))
+        ):
             continue
         if name.startswith("model.encoder.language_model.") and not name.endswith(".layer_scalar"):
             continue

@@ -200,6 +200,8 @@ def stream_generate(
     ``stop_ids`` replaces the stop-token set; ``watch(block_index, step, token_ids)``
     sees the block after every step (--verbose); ``prefix`` is a PrefixState kept
     across runs (chat)."""
+    if hooks.pop("images", None):
+        raise GenerationError("image input is not supported: LLaDA-2 is text-only")
     unknown = sorted(set(hooks) - set(_HOOKS) - set(_SESSION_HOOKS))
     if unknown:
         raise GenerationError(f"unknown LLaDA-2 generation hook(s): {', '.join(unknown)}")

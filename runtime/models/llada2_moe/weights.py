@@ -171,7 +171,7 @@ def _dequantize_gate(weights: dict, prefix: str) -> None:
     raise WeightError(f"cannot infer the quantization of {prefix}weight {list(w.shape)}")
 
 
-def sanitize(weights: dict) -> dict:
+def sanitize(weights: dict, args=None) -> dict:
     """Accept mlx-community layouts: mlx-vlm (``language_model.`` prefix,
     ``switch_mlp``), mlx-lm (``switch_mlp``, possibly a quantized gate or a
     bailing-style ``gate.gate_proj``), per-expert or merged experts; drop rotary
