@@ -59,6 +59,9 @@ def _on_sigterm(signum, frame):  # run the cleanup path, as for Ctrl-C
 @click.option("--revision", metavar="REV", help="Hub branch, tag or commit (Hub sources only).")
 @click.option("--text-only", is_flag=True,
               help="Drop the vision tower and write a text-only config.")
+@click.option("--quantize-vision", is_flag=True,
+              help="Also quantize the vision tower's attention/MLP linears (8-bit affine g64; default: float). "
+                   "Implies quantizing; check the image rows of dlm-verify --parity.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--dequantize", is_flag=True,
@@ -70,7 +73,7 @@ def _on_sigterm(signum, frame):  # run the cleanup path, as for Ctrl-C
 @click.option("--allow-non-finite", is_flag=True,
               help="Convert weights holding NaN/Inf with a warning (default: an error naming the tensor).")
 def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe, dtype, revision,
-         text_only, overwrite, no_progress, dequantize, upload_repo, private, allow_non_finite):
+         text_only, quantize_vision, overwrite, no_progress, dequantize, upload_repo, private, allow_non_finite):
     """Convert a Hugging Face checkpoint to MLX safetensors, optionally quantized.
 
     SOURCE is a Hugging Face Hub repo id (org/name) or a local checkpoint
@@ -98,6 +101,7 @@ def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe
         dtype=dtype,
         revision=revision,
         text_only=text_only,
+        quantize_vision=quantize_vision,
         overwrite=overwrite,
         progress=not no_progress,
         allow_non_finite=allow_non_finite,

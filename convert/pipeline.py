@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..quantize.recipes import (
+    HIGH as VISION_SPEC,
     Decision,
     Recipe,
     bits_per_weight,
@@ -79,6 +80,7 @@ class ConvertOptions:
     progress: bool = True
     allow_non_finite: bool = False  # NaN/Inf weights: a warning instead of an error
     dequantize: bool = False  # the source is an MLX conversion: write it back in float (then --q-* apply)
+    quantize_vision: bool = False  # the vision tower's linears at 8-bit affine g64 (implies quantizing)
 
 
 @dataclass
@@ -116,10 +118,11 @@ def build_recipe(opts: ConvertOptions) -> Optional[Recipe]:
     """None unless quantization was asked for: -q, --q-bits, --q-group-size, a non-affine
     --q-mode or a non-default --recipe."""
     wanted = (opts.quantize or opts.q_bits is not None or opts.q_group_size is not None
-              or opts.q_mode != "affine" or opts.recipe != "mixed")
+              or opts.q_mode != "affine" or opts.recipe != "mixed" or opts.quantize_vision)
     if not wanted:
         return None
-    return Recipe(opts.recipe, make_spec(opts.q_bits, opts.q_group_size, opts.q_mode))
+    return Recipe(opts.recipe, make_spec(opts.q_bits, opts.q_group_size, opts.q_mode),
+                  VISION_SPEC if opts.quantize_vision else None)
 
 
 def default_output(opts: ConvertOptions, recipe: Optional[Recipe]) -> Path:
@@ -136,6 +139,8 @@ def command_line(opts: ConvertOptions, recipe: Optional[Recipe]) -> str:
         low = recipe.low
         parts += ["--q-bits", str(low.bits), "--q-group-size", str(low.group_size)]
         parts += ["--q-mode", low.mode, "--recipe", recipe.name]
+        if recipe.vision is not None:
+            parts += ["--quantize-vision"]
     if opts.dtype:
         parts += ["--dtype", opts.dtype]
     if opts.text_only:
@@ -427,6 +432,8 @@ def _recipe_line(recipe: Optional[Recipe], dtype: Optional[str]) -> str:
     text = f"Quantizing: {recipe.name} recipe, {low.bits}-bit {low.mode} group {low.group_size}"
     if recipe.name == "mixed":
         text += " (sensitive modules at 8-bit affine group 64)"
+    if recipe.vision is not None:
+        text += "; vision tower linears at 8-bit affine group 64"
     return f"{text}; {d}"
 
 
@@ -504,15 +511,18 @@ def _card_context(out: Path, src: ResolvedSource, family: Family, config: dict, 
     else:
         source_md = f"the local checkpoint `{src.path}`"
     params = {j.decision.name: math.prod(j.shape) for j in jobs}
+    vision_q = recipe is not None and recipe.vision is not None and has_vision and not text_only
+    floats = ("norms and scalars stay in float; the vision tower's linears at 8-bit affine (group 64)"
+              if vision_q else "norms, scalars and the vision tower stay in float")
     if recipe is None:
         recipe_text = ""
     elif recipe.name == "mixed":
         recipe_text = (f"the modules {family.name} marks as precision-sensitive stay at 8-bit affine "
                        f"(group 64); the bulk at {recipe.low.bits}-bit {recipe.low.mode} "
-                       f"(group {recipe.low.group_size}); norms, scalars and the vision tower stay in float.")
+                       f"(group {recipe.low.group_size}); {floats}.")
     else:
         recipe_text = (f"every eligible linear and embedding at {recipe.low.bits}-bit {recipe.low.mode} "
-                       f"(group {recipe.low.group_size}); norms, scalars and the vision tower stay in float.")
+                       f"(group {recipe.low.group_size}); {floats}.")
     return {
         "front_matter": front_matter(
             src.repo_id, tags, "image-text-to-text" if has_vision and not text_only else "text-generation",
@@ -530,7 +540,8 @@ def _card_context(out: Path, src: ResolvedSource, family: Family, config: dict, 
         "n_shards": len(shards),
         "size_label": human_size(stored),
         "dtype_label": dtype_label,
-        "vision_label": ("kept, in float" if has_vision and not text_only
+        "vision_label": ("kept, linears at 8-bit (--quantize-vision)" if vision_q
+                         else "kept, in float" if has_vision and not text_only
                          else "dropped (--text-only)" if has_vision else "none in the source"),
         "recipe": recipe.as_dict() if recipe else None,
         "recipe_text": recipe_text,

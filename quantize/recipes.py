@@ -8,7 +8,9 @@ None); a recipe turns the class into a spec:
   --q-bits / --q-group-size / --q-mode;
 * ``uniform``: every eligible ("high" or "low") module at the user's spec.
 
-Modules of class None (norms, scalars, vision tower...) are never quantized.
+"vision" modules (the vision tower's linears) stay in float unless the recipe
+has a ``vision`` spec (``dlm-convert --quantize-vision``: 8-bit affine g64).
+Modules of class None (norms, scalars, patch embedder, embed_vision...) are never quantized.
 A module whose input size is not divisible by its group size stays in float
 and is recorded (``false`` in the config block, listed in the model card).
 """
@@ -80,6 +82,7 @@ def make_spec(bits: Optional[int], group_size: Optional[int], mode: str = "affin
 class Recipe:
     name: str  # "mixed" | "uniform"
     low: QuantSpec
+    vision: Optional[QuantSpec] = None  # the vision tower's linears (None: float)
 
     def __post_init__(self):
         if self.name not in RECIPES:
@@ -88,6 +91,8 @@ class Recipe:
     def spec_for(self, qclass: Optional[str]) -> Optional[QuantSpec]:
         if qclass is None:
             return None
+        if qclass == "vision":
+            return self.vision
         if self.name == "mixed" and qclass == "high":
             return HIGH
         return self.low
@@ -102,6 +107,9 @@ class Recipe:
                "mode": self.low.mode}
         if self.name == "mixed":
             out["high"] = {"bits": HIGH.bits, "group_size": HIGH.group_size, "mode": HIGH.mode}
+        if self.vision is not None:
+            v = self.vision
+            out["vision"] = {"bits": v.bits, "group_size": v.group_size, "mode": v.mode}
         return out
 
 

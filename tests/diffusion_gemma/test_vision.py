@@ -253,3 +253,39 @@ def test_image_errors(loaded, tiny_dg_mlx_dir, tiny_dg_dir, tmp_path, tiny_llada
         api.encode_inputs(llada, "x", images=[picture(8, 8)])
     with pytest.raises(GenerationError, match="LLaDA-2 is text-only"):
         api.generate(llada, PromptInputs([1, 2, 3], raw.images), {"max_tokens": 8})
+
+
+def test_vision_tower_float_by_default_8bit_on_request(tiny_dg_vision_dir, tmp_path, tiny_dg_vision_torch):
+    """q4 keeps the tower in float (bit-equal features); --quantize-vision stores its
+    linears at 8 bits, recorded in config.json, with features close to transformers'."""
+    import json
+
+    import mlx.core as mx
+    import torch
+
+    from tests.builders import convert_dir
+
+    image = picture(40, 30, 3)
+    want = None
+    for name, extra in (("q4", {}), ("q4v", {"quantize_vision": True})):
+        out = convert_dir(tiny_dg_vision_dir, tmp_path / name, quantize=True, q_bits=4, **extra)
+        block = json.loads((out / "config.json").read_text())["quantization"]
+        stored = mx.load(str(next(out.glob("*.safetensors"))))
+        scaled = [k for k in stored if k.startswith("model.encoder.vision_tower") and k.endswith(".scales")]
+        loaded = api.load(out, compute_dtype="native")
+        [inp] = api.image_processor(loaded).preprocess([image])
+        got = np.array(loaded.model.encode_image(inp.pixel_values, inp.position_ids))
+        if want is None:
+            pv, pi = torch_images(PromptInputs([], [inp]))
+            with torch.no_grad():
+                want = tiny_dg_vision_torch.model.encoder.get_image_features(pv, pi, return_dict=True)
+            want = want.pooler_output.numpy().reshape(got.shape)
+        err = np.abs(got - want).max()
+        if name == "q4":
+            assert not scaled and not any("vision" in k for k in block)
+            assert err < 1e-5
+        else:
+            path = "model.encoder.vision_tower.encoder.layers.0.mlp.down_proj.linear"
+            assert block[path] == {"bits": 8, "group_size": 64} and path + ".scales" in scaled
+            assert 0 < err < 2e-2 * np.abs(want).max()
+            assert "--quantize-vision" in (out / "README.md").read_text()

@@ -24,6 +24,7 @@ _VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 _CLIPPED = re.compile(r"\.(input|output)_(max|min)$")
 _HIGH = re.compile(r"\.(self_attn\.\w+|mlp\.(gate|up|down))_proj$")
 _LOW = re.compile(r"\.(experts\.(gate_up|down)|self_conditioning\.(gate|up|down))_proj$")
+_VISION_LINEAR = re.compile(r"^model\.encoder\.vision_tower\.encoder\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.linear$")
 
 
 def expected_text_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -139,11 +140,12 @@ def quant_class(path: str) -> str | None:
 
     "high": kept at 8 bits by the mixed recipe (embeddings, attention, dense
     MLP, router projection); "low": at --q-bits (routed experts,
-    self-conditioning); None: never quantized (norms, scalars, router scale,
-    per-expert scale, vision tower and embed_vision).
+    self-conditioning); "vision": the vision tower's layer linears (float
+    unless dlm-convert --quantize-vision); None: never quantized (norms,
+    scalars, router scale, per-expert scale, the patch embedder, embed_vision).
     """
     if path.startswith(_VISION):
-        return None
+        return "vision" if _VISION_LINEAR.match(path) else None
     if path.endswith(("embed_tokens", "router.proj")) or _HIGH.search(path):
         return "high"
     if _LOW.search(path):
