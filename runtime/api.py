@@ -94,16 +94,18 @@ def encode_inputs(
     ``images``: file paths, bytes, ``data:`` URLs or PIL images, in prompt
     order. With a chat template, a ``prompt`` becomes one user turn with the
     images before the text; ``messages`` place them themselves, as content
-    parts ``{"type": "image"}`` (the i-th part takes ``images[i]``) in any
-    turn. Without a chat template the raw ``prompt`` must hold one image token
-    per image. Each image is preprocessed by the family (the model's own
+    parts ``{"type": "image"}`` in any turn: a part holding its source
+    (``"image"``, ``"path"`` or ``"url"``: a data: URL) takes it, the others
+    take the next of ``images``. Audio and video parts are refused. Without
+    a chat template the raw ``prompt`` must hold one image token per image.
+    Each image is preprocessed by the family (the model's own
     processor files) and its placeholder expanded to its soft tokens.
     """
     tok = loaded.tokenizer
     if tok is None:
         raise ConfigError(f"{loaded.path}: no tokenizer loaded")
-    images = list(images or [])
-    processor = image_processor(loaded) if images or _has_image_parts(messages) else None
+    images = _image_sources(messages, list(images or []))
+    processor = image_processor(loaded) if images else None
     if not chat_template:
         if prompt is None:
             raise GenerationError("a raw (no chat template) prompt needs prompt text, not messages")
@@ -137,10 +139,35 @@ def encode_inputs(
     return PromptInputs(ids, processed)
 
 
-def _has_image_parts(messages) -> bool:
-    return any(isinstance(m.get("content"), list)
-               and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
-               for m in messages or [] if isinstance(m, dict))
+_SOURCE_KEYS = ("image", "path", "url")
+
+
+def _image_sources(messages, images: list) -> list:
+    """The image of every image part of ``messages`` in order (its own source,
+    else the next of ``images``); every one of ``images`` must be used."""
+    if not messages:
+        return images
+    given, out = iter(images), []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("audio", "input_audio", "video"):
+                raise GenerationError(f"messages[{i}].content[{j}]: {'video' if kind == 'video' else 'audio'} "
+                                      "input is not supported")
+            if kind != "image":
+                continue
+            own = next((part[k] for k in _SOURCE_KEYS if part.get(k) is not None), None)
+            if own is None:
+                own = next(given, None)
+                if own is None:
+                    raise GenerationError(f"messages[{i}].content[{j}]: an image part without an image "
+                                          f"(give it an 'image' or pass images=[...]; {len(images)} given)")
+            out.append(own)
+    left = sum(1 for _ in given)
+    if left:
+        raise GenerationError(f"{left} of the {len(images)} image(s) given have no image part in the messages")
+    return out
 
 
 def image_processor(loaded: LoadedModel):

@@ -206,6 +206,11 @@ def test_images_in_several_turns(loaded, tiny_dg_vision_torch):
         {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "image"}]},
     ]
     inputs = api.encode_inputs(loaded, messages=messages, images=[picture(40, 30, 7), picture(30, 40, 8)])
+    inline = [dict(m, content=[dict(p, image=picture(40, 30, 7)) if p["type"] == "image" else p
+                               for p in m["content"]]) if m is messages[0] else m for m in messages]
+    again = api.encode_inputs(loaded, messages=inline, images=[picture(30, 40, 8)])
+    assert again.ids == inputs.ids
+    assert all(np.array_equal(a.pixel_values, b.pixel_values) for a, b in zip(again.images, inputs.images))
     text = loaded.tokenizer.decode(inputs.ids)
     assert text.index("one") < text.index("ok") < text.index("and")
     first = inputs.ids.index(BOI_ID)
@@ -232,9 +237,18 @@ def test_chunks_never_split_an_image_block():
 def test_image_errors(loaded, tiny_dg_mlx_dir, tiny_dg_dir, tmp_path, tiny_llada2_mlx_dir):
     from tests.builders import convert_dir
 
-    with pytest.raises(GenerationError, match=r"1 image token.*2 image\(s\)"):
+    with pytest.raises(GenerationError, match=r"1 of the 2 image\(s\) given have no image part"):
         api.encode_inputs(loaded, messages=[{"role": "user", "content": [{"type": "image"}]}],
                           images=[picture(8, 8), picture(8, 8)])
+    with pytest.raises(GenerationError, match=r"messages\[0\].content\[1\]: an image part without an image"):
+        api.encode_inputs(loaded, messages=[{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}],
+                          images=[picture(8, 8)])
+    with pytest.raises(GenerationError, match=r"messages\[0\].content\[0\]: audio input is not supported"):
+        api.encode_inputs(loaded, messages=[{"role": "user", "content": [{"type": "input_audio"}]}])
+    # A template that places fewer image tokens than there are images.
+    with pytest.raises(GenerationError, match=r"1 image token.*2 image\(s\)"):
+        proc = api.image_processor(loaded)
+        proc.expand("<|image|>", proc.preprocess([picture(8, 8), picture(8, 8)]))
     with pytest.raises(GenerationError, match="0 image token"):
         api.encode_inputs(loaded, "no placeholder", images=[picture(8, 8)], chat_template=False)
     raw = api.encode_inputs(loaded, "<|image|> what", images=[picture(8, 8)], chat_template=False)
