@@ -16,6 +16,7 @@ import click
 from . import blas
 from .console import Group, LiveView, check_text, fail, model_options, read_stdin
 from .errors import DlmError
+from .images import open_file
 from .options import click_options
 
 
@@ -49,7 +50,11 @@ def profile_lines(stats, loaded=None) -> list[str]:
     steps = stats.steps_per_block
     mean = sum(steps) / len(steps) if steps else 0.0
     cached = f" ({stats.cached_prompt_tokens} from the kept cache)" if stats.cached_prompt_tokens else ""
-    return [
+    images = []
+    if stats.image_tokens:  # the vision encoder apart from the text prefill (prompt_seconds excludes it)
+        cached += f", {stats.image_tokens} of them image soft tokens"
+        images = [f"Vision encoder: {stats.vision_seconds:.3f} s for {stats.image_tokens} image soft tokens"]
+    return images + [
         f"Prompt: {stats.prompt_tokens} tokens{cached}, {stats.prompt_tps:.3f} tokens-per-sec",
         f"Generation: {stats.completion_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec",
         f"{_PLURAL.get(stats.block_name, stats.block_name)}: {len(steps)}, denoising steps per {stats.block_name}: "
@@ -81,9 +86,11 @@ def compute_line(loaded) -> str:
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="Ask the chat template for the thinking channel.")
 @click_options()
-@click.option("--image", multiple=True, help="Image input (refused: text-only runtime).")
-@click.option("--audio", multiple=True, help="Audio input (refused).")
-@click.option("--video", multiple=True, help="Video input (refused).")
+@click.option("--image", multiple=True, metavar="PATH",
+              help="An image file (PNG, JPEG, WebP, GIF: its first frame) for a model with a vision tower; "
+                   "repeat for several, placed before the prompt text in that order.")
+@click.option("--audio", multiple=True, help="Audio input (refused: not supported).")
+@click.option("--video", multiple=True, help="Video input (refused: not supported).")
 @click.option("--profile", is_flag=True, help="Print throughput, steps per canvas and peak memory to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--verbose", is_flag=True, help="Show every canvas/block after each denoising step on stderr.")
@@ -101,22 +108,32 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
         ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
         if ids is not None and prompt is not None:
             raise click.UsageError("give --prompt or --prompt-ids, not both")
+        if ids is not None and image:
+            raise click.UsageError("--image takes a text prompt (--prompt or stdin), not --prompt-ids: "
+                                   "raw ids carry no image")
+        # Files only (a URL is a name like any other), read before the (slow) model load.
+        pictures = [open_file(path, f"--image {path}") for path in image]
         loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
                           compute_dtype=compute_dtype)
-        if image:
-            kind = "a text-only model" if loaded.args.text_only else "dlm-run (text-only runtime)"
-            raise DlmError(f"image input is not supported by {kind}: {model_path}")
+        if pictures:
+            api.image_processor(loaded)  # says why a model takes no images
         options = {k: v for k, v in options.items() if v is not None}
+        prompt_input = ids
         if ids is None:
             if prompt is None or prompt == "-":
                 prompt = read_stdin()
             check_text(prompt, "--prompt")
             if system is not None:
                 check_text(system, "--system")
-            ids = api.encode_prompt(loaded, prompt, system=system, chat_template=chat_template,
-                                    enable_thinking=thinking)
+            if pictures:
+                prompt_input = api.encode_inputs(loaded, prompt, images=pictures, system=system,
+                                                 chat_template=chat_template, enable_thinking=thinking)
+                ids = prompt_input.ids
+            else:
+                ids = prompt_input = api.encode_prompt(loaded, prompt, system=system,
+                                                       chat_template=chat_template, enable_thinking=thinking)
         view = live_view(loaded) if verbose else None
-        events = api.stream_generate(loaded, ids, options, **({"watch": view} if view else {}))
+        events = api.stream_generate(loaded, prompt_input, options, **({"watch": view} if view else {}))
         start = time.perf_counter()
         token_ids, text, reasoning, blocks = [], [], [], []
         final = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import time
 import urllib.error
@@ -47,20 +48,23 @@ class ImageError(GenerationError):
 
 @dataclass(frozen=True)
 class RemoteImages:
-    """The policy for fetching http(s) image URLs: the largest body accepted and
-    the seconds the whole fetch may take."""
+    """The policy for fetching http(s) image URLs: the largest body accepted
+    (checked against Content-Length, then while the body streams in) and the
+    seconds a fetch may take (a deadline checked between reads; the connect
+    and each read also time out after it)."""
 
     max_bytes: int = DEFAULT_URL_MAX_BYTES
     timeout: float = DEFAULT_URL_TIMEOUT
 
     def fetch(self, url: str, where: str) -> bytes:
+        shown = url if len(url) <= 200 else url[:200] + "..."
         deadline = time.monotonic() + self.timeout
         request = urllib.request.Request(url, headers={"User-Agent": "dlm-run"})
         try:
             with _OPENER.open(request, timeout=self.timeout) as response:
                 declared = response.headers.get("Content-Length")
                 if declared and declared.isdigit() and int(declared) > self.max_bytes:
-                    raise ImageError(f"{where}: the image at {url} is {int(declared)} bytes, over the "
+                    raise ImageError(f"{where}: the image at {shown} is {int(declared)} bytes, over the "
                                      f"{self.max_bytes}-byte limit")
                 chunks, size = [], 0
                 while True:
@@ -71,20 +75,20 @@ class RemoteImages:
                         break
                     size += len(chunk)
                     if size > self.max_bytes:
-                        raise ImageError(f"{where}: the image at {url} is over the {self.max_bytes}-byte limit")
+                        raise ImageError(f"{where}: the image at {shown} is over the {self.max_bytes}-byte limit")
                     chunks.append(chunk)
         except ImageError:
             raise
         except urllib.error.HTTPError as exc:
-            raise ImageError(f"{where}: fetching {url} failed: HTTP {exc.code} {exc.reason}") from None
+            raise ImageError(f"{where}: fetching {shown} failed: HTTP {exc.code} {exc.reason}") from None
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, TimeoutError):
-                raise ImageError(f"{where}: fetching {url} timed out after {self.timeout:g} s") from None
-            raise ImageError(f"{where}: fetching {url} failed: {exc.reason}") from None
+                raise ImageError(f"{where}: fetching {shown} timed out after {self.timeout:g} s") from None
+            raise ImageError(f"{where}: fetching {shown} failed: {exc.reason}") from None
         except TimeoutError:
-            raise ImageError(f"{where}: fetching {url} timed out after {self.timeout:g} s") from None
-        except (OSError, ValueError) as exc:  # connection reset, a malformed URL or response
-            raise ImageError(f"{where}: fetching {url} failed: {exc}") from None
+            raise ImageError(f"{where}: fetching {shown} timed out after {self.timeout:g} s") from None
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # reset, cut short, malformed
+            raise ImageError(f"{where}: fetching {shown} failed: {exc}") from None
         return b"".join(chunks)
 
 
@@ -124,7 +128,7 @@ def open_image(source, where: str, *, max_pixels: Optional[int] = DEFAULT_MAX_PI
     if isinstance(source, str) and _is_url(source):
         return open_url(source, where, max_pixels=max_pixels, fetch=fetch)
     if isinstance(source, (str, Path)):
-        return _open_file(Path(source), where, max_pixels)
+        return open_file(source, where, max_pixels=max_pixels)
     raise ImageError(f"{where}: an image must be a file path, bytes, a data: URL or a PIL image, "
                      f"not {type(source).__name__}")
 
@@ -172,21 +176,27 @@ def decode(data: bytes, where: str, max_pixels: Optional[int] = DEFAULT_MAX_PIXE
     return _decode(io.BytesIO(data), where, max_pixels)
 
 
-def _open_file(path: Path, where: str, max_pixels: Optional[int]):
+def open_file(path, where: str, *, max_pixels: Optional[int] = DEFAULT_MAX_PIXELS):
+    """An RGB PIL image from the file at ``path`` (str or Path; a URL is a file
+    name like any other here). Messages name the file after ``where`` unless
+    ``where`` names it already ("--image cat.png")."""
+    if str(path) not in where:  # "image 1" -> "image 1: cat.png"
+        where = f"{where}: {path}"
+    path = Path(path)
     try:
         with open(path, "rb") as fp:
             if fp.seek(0, io.SEEK_END) == 0:
-                raise ImageError(f"{where}: {path} is an empty file, not an image")
+                raise ImageError(f"{where}: an empty file, not an image")
             fp.seek(0)
             return _decode(fp, where, max_pixels)
     except FileNotFoundError:
-        raise ImageError(f"{where}: no such file: {path}") from None
+        raise ImageError(f"{where}: no such file") from None
     except IsADirectoryError:
-        raise ImageError(f"{where}: {path} is a directory, not an image file") from None
+        raise ImageError(f"{where}: a directory, not an image file") from None
     except PermissionError:
-        raise ImageError(f"{where}: cannot read {path}: permission denied") from None
+        raise ImageError(f"{where}: cannot read the file: permission denied") from None
     except OSError as exc:
-        raise ImageError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
+        raise ImageError(f"{where}: cannot read the file: {exc.strerror or exc}") from None
 
 
 def _decode(fp, where: str, max_pixels: Optional[int]):

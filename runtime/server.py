@@ -9,7 +9,9 @@ GET /health.  Streams carry text only when a canvas/block is committed, in
 sequence order; DiffusionGemma's thinking goes to ``reasoning_content`` deltas
 in chat streams and is left out of non-streaming responses.  ``stop`` strings
 are applied to the committed text.  A client that disconnects cancels its
-request (polled once per denoising step).
+request (polled once per denoising step).  Chat requests to a model that takes
+images may carry ``image_url`` parts (data: URLs; http(s) with
+``ImageLimits.fetch``), decoded in the request's thread before it is queued.
 """
 
 from __future__ import annotations
@@ -29,14 +31,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import DlmError
+from .errors import DlmError, GenerationError
 from .events import GenerationEvent, GenerationStats
+from .images import ImageError, ImageLimits, open_url
+from .inputs import PromptInputs
 from .server_requests import (OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat,
                               parse_completion)
 from .worker import GenerationWorker, Job, QueueFull, WorkerStopped
 
 DEFAULT_QUEUE_SIZE = 16
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# For a model that takes images: base64 data: URLs of a few photos.
+DEFAULT_IMAGE_BODY_BYTES = 32 * 1024 * 1024
 # Runtime option -> the request field that sets it (temp <- temperature, ...).
 FIELD_OF = {option.name: field for field, option in OPTION_FIELDS.items()}
 
@@ -193,6 +199,8 @@ class _JobResponse(Response):
                            generation_seconds=round(stats.generation_seconds, 6),
                            steps_per_block=list(stats.steps_per_block), forwards=stats.forwards,
                            early_stops=stats.early_stops)
+            if stats.image_tokens:  # the vision encoder, apart from the text prefill
+                timings.update(vision_seconds=round(stats.vision_seconds, 6), image_tokens=stats.image_tokens)
         return timings
 
     def _head(self) -> dict:
@@ -295,31 +303,41 @@ class _Server:
     """State shared by the routes: the model, its defaults and the worker."""
 
     def __init__(self, loaded, defaults: dict, runtime, queue_size: int, model_id: str,
-                 max_body_bytes: int):
+                 max_body_bytes: Optional[int], images: ImageLimits):
         self.loaded = loaded
         self.runtime = runtime
         defaults = dict(defaults or {})
         self.enable_thinking = bool(defaults.pop("enable_thinking", False))
         self.defaults = {k: v for k, v in defaults.items() if v is not None}
         self.model_id = model_id
+        why, self.image_problem = image_support(loaded)
+        self.images = images
+        self.caps = ModelCaps(family=loaded.family.title, text_only=bool(why), why_text_only=why,
+                              max_images=images.max_images)
+        if max_body_bytes is None:
+            max_body_bytes = DEFAULT_MAX_BODY_BYTES if why else DEFAULT_IMAGE_BODY_BYTES
         self.max_body_bytes = max_body_bytes
-        self.caps = ModelCaps(family=loaded.family.title, text_only=loaded.args.text_only)
         self.context = loaded.args.max_position_embeddings
         # Request threads tokenize one at a time (a fast tokenizer mutated from two
         # threads at once raises "Already borrowed").
         self.tokenizer_lock = threading.Lock()
+        # Requests decode their images one at a time: what decoded images hold
+        # at once stays under max_images x max_pixels.
+        self.image_lock = threading.Lock()
         self.worker = GenerationWorker(queue_size=queue_size, after_job=_clear_mlx_cache)
 
     async def read_json(self, request: Request) -> Any:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+            raise RequestError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit "
+                                    "(dlm-run serve --max-body-bytes)")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise RequestError(413, f"request body exceeds the {limit}-byte limit")
+                raise RequestError(413, f"request body exceeds the {limit}-byte limit "
+                                        "(dlm-run serve --max-body-bytes)")
             chunks.append(chunk)
         raw = b"".join(chunks)
         if not raw.strip():
@@ -329,13 +347,32 @@ class _Server:
         except (ValueError, RecursionError) as exc:
             raise bad(f"malformed JSON body: {exc}") from None
 
-    def encode(self, req: ParsedRequest) -> list[int]:
+    def encode(self, req: ParsedRequest) -> PromptInputs:
+        """The request's prompt: token ids and, for a chat with images, the images
+        decoded here (a request thread, never the generation worker) and
+        preprocessed by the model family."""
+        thinking = self.enable_thinking if req.enable_thinking is None else req.enable_thinking
+        if req.images:
+            with self.image_lock:
+                pictures = self.open_images(req)
+                with self.tokenizer_lock:
+                    return self.runtime.encode_inputs(self.loaded, messages=req.messages, images=pictures,
+                                                      chat_template=True, enable_thinking=thinking)
         with self.tokenizer_lock:
             if req.kind == "chat":
-                thinking = self.enable_thinking if req.enable_thinking is None else req.enable_thinking
-                return list(self.runtime.encode_prompt(self.loaded, messages=req.messages,
-                                                       chat_template=True, enable_thinking=thinking))
-            return list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt, chat_template=False))
+                return PromptInputs(list(self.runtime.encode_prompt(
+                    self.loaded, messages=req.messages, chat_template=True, enable_thinking=thinking)))
+            return PromptInputs(list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt,
+                                                                chat_template=False)))
+
+    def open_images(self, req: ParsedRequest) -> list:
+        limits, out = self.images, []
+        for where, url in req.images:
+            try:
+                out.append(open_url(url, where, max_pixels=limits.max_pixels, fetch=limits.fetch))
+            except ImageError as exc:
+                raise bad(str(exc), where) from None
+        return out
 
     def check_request_options(self, requested: dict, options: dict):
         """The family's settings for ``options``, or a 400 naming the request
@@ -361,9 +398,10 @@ class _Server:
         req = parse_chat(body, self.caps) if kind == "chat" else parse_completion(body, self.caps)
         options = {**self.defaults, **req.options}
         try:
-            prompt_ids = await run_in_threadpool(self.encode, req)
+            inputs = await run_in_threadpool(self.encode, req)
         except DlmError as exc:
             raise bad(str(exc)) from None
+        prompt_ids, images = list(inputs.ids), list(inputs.images)
         if not prompt_ids:
             raise bad("the prompt is empty after tokenization", "messages" if kind == "chat" else "prompt")
         settings = self.check_request_options(req.options, options)
@@ -372,13 +410,15 @@ class _Server:
             raise bad(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                       f"model context of {self.context} tokens", "max_tokens")
         try:  # the prompt and the memory budget, checked before the request takes a queue slot
-            self.loaded.family.generation().Session(self.loaded, prompt_ids, settings)
+            self.loaded.family.generation().Session(self.loaded, prompt_ids, settings,
+                                                    **({"images": images} if images else {}))
         except DlmError as exc:
             raise bad(str(exc)) from None
         loaded, runtime = self.loaded, self.runtime
+        prompt = inputs if images else prompt_ids
 
         def run(cancel):
-            return runtime.stream_generate(loaded, prompt_ids, options, cancel=cancel)
+            return runtime.stream_generate(loaded, prompt, options, cancel=cancel)
 
         try:
             job = self.worker.submit(run)
@@ -387,6 +427,25 @@ class _Server:
         except WorkerStopped as exc:
             raise RequestError(503, str(exc), err_type="server_error") from None
         return _JobResponse(self, job, req, len(prompt_ids), received_at)
+
+
+def image_support(loaded) -> tuple[str, str]:
+    """(why ``loaded`` takes no images, for clients; the detail for the server
+    log): ("", "") when it takes them. The image processor is built now, so a
+    model whose processor files or image tokens are unusable serves text and
+    says so at startup, not on its first image."""
+    from . import api
+
+    title = loaded.family.title
+    try:
+        api.image_processor(loaded)
+    except GenerationError:
+        if not hasattr(loaded.family.model(), "ImageProcessor"):
+            return f"{title} models are text-only", ""
+        return f"this {title} model has no vision tower (a text-only conversion)", ""
+    except DlmError as exc:
+        return f"this {title} model's image processor is unusable (see the server log)", str(exc)
+    return "", ""
 
 
 def check_options(loaded, options: dict):
@@ -408,21 +467,27 @@ def _clear_mlx_cache() -> None:
 
 def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
                queue_size: int = DEFAULT_QUEUE_SIZE, *, model_id: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, runtime=None) -> FastAPI:
+               max_body_bytes: int | None = None, images: ImageLimits | None = None,
+               runtime=None) -> FastAPI:
     """Build the ASGI app serving ``loaded`` (a runtime ``LoadedModel``).
 
     ``defaults``: generation options (snake_case ``dlm-run generate`` flag
     names) used when a request does not set them; ``enable_thinking`` there
     sets the chat default.  ``api_key``: when set, every request needs
     ``Authorization: Bearer <key>``.  ``queue_size``: requests that may wait
-    behind the running one before new ones get 429.  ``runtime``: the module
-    providing ``encode_prompt`` / ``stream_generate`` (default ``dlm.runtime.api``).
+    behind the running one before new ones get 429.  ``max_body_bytes``: the
+    largest request body (default 4 MiB, 32 MiB for a model that takes images).
+    ``images``: the per-request image limits (default ``ImageLimits()``: 8
+    images of 50 megapixels, data: URLs only).  ``runtime``: the module
+    providing ``encode_prompt`` / ``encode_inputs`` / ``stream_generate``
+    (default ``dlm.runtime.api``).
     """
     if runtime is None:
         from . import api as runtime
     if model_id is None:
         model_id = Path(str(getattr(loaded, "path", "model"))).name or "model"
-    server = _Server(loaded, defaults or {}, runtime, queue_size, model_id, max_body_bytes)
+    server = _Server(loaded, defaults or {}, runtime, queue_size, model_id, max_body_bytes,
+                     images or ImageLimits())
 
     async def check_key(request: Request) -> None:
         if api_key is None or request.url.path == "/health":  # health probes carry no key

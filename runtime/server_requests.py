@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .images import DEFAULT_MAX_IMAGES
 from .options import OptionError, request_options
 
 MAX_STOP_STRINGS = 4
@@ -92,6 +93,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL_FIELDS) | {"prompt"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MESSAGE_KEYS = {"role", "content", "name", "reasoning_content"}
 IMAGE_PARTS = {"image_url", "input_image", "image"}
+DETAILS = ("auto", "low", "high")
 AUDIO_PARTS = {"input_audio", "audio_url", "audio"}
 VIDEO_PARTS = {"video_url", "input_video", "video"}
 
@@ -101,7 +103,9 @@ class ModelCaps:
     """What the loaded model accepts (filled by the server from LoadedModel)."""
 
     family: str
-    text_only: bool = True
+    text_only: bool = True  # takes no images
+    why_text_only: str = ""  # why not (shown to the client)
+    max_images: int = DEFAULT_MAX_IMAGES  # per request
 
 
 @dataclass
@@ -114,6 +118,7 @@ class ParsedRequest:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
     enable_thinking: Optional[bool] = None
+    images: list[tuple[str, str]] = field(default_factory=list)  # (content part, URL), in prompt order
 
 
 def _check_fields(body: dict, allowed: set[str], route: str) -> None:
@@ -176,34 +181,69 @@ def _common(body: dict, req: ParsedRequest) -> None:
             req.include_usage = _bool(opts["include_usage"], "stream_options.include_usage")
 
 
-def _content_text(content: Any, where: str, caps: ModelCaps) -> str:
-    """Flatten a message's content to text, refusing media the model cannot take."""
+def _content(content: Any, where: str, role: str, caps: ModelCaps, images: list) -> str | list:
+    """A message's content for the chat template: its text, or (when it holds
+    images) the list ``[{"type": "text", ...}, {"type": "image"}, ...]`` in
+    order; each image's (part, URL) is appended to ``images``. Media the model
+    cannot take are refused naming the part."""
     if content is None:
         return ""
     if isinstance(content, str):
         return _str(content, f"{where}.content")
     if not isinstance(content, list):
         raise bad(f"'{where}.content' must be a string or a list of content parts", where)
-    texts = []
+    parts, has_image = [], False
     for j, part in enumerate(content):
         pwhere = f"{where}.content[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise bad(f"'{pwhere}' must be an object with a string 'type'", pwhere)
         kind = part["type"]
         if kind == "text":
-            texts.append(_str(part.get("text"), f"{pwhere}.text"))
+            parts.append({"type": "text", "text": _str(part.get("text"), f"{pwhere}.text")})
         elif kind in IMAGE_PARTS:
             if caps.text_only:
-                raise bad(f"'{pwhere}': this {caps.family} model is text-only and takes no image input",
-                          pwhere)
-            # The runtime API takes text prompts only (no image path yet).
-            raise bad(f"'{pwhere}': image input is not supported by dlm-run serve yet", pwhere)
+                why = caps.why_text_only or f"this {caps.family} model is text-only"
+                raise bad(f"'{pwhere}': image input is not supported: {why}", pwhere)
+            if kind != "image_url":
+                raise bad(f"'{pwhere}': content part type {kind!r} is not supported; send "
+                          '{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}', pwhere)
+            if role != "user":
+                raise bad(f"'{pwhere}': images are taken in user messages only, not in a {role} message", pwhere)
+            images.append((pwhere, _image_url(part, pwhere)))
+            parts.append({"type": "image"})
+            has_image = True
         elif kind in AUDIO_PARTS or kind in VIDEO_PARTS:
             media = "audio" if kind in AUDIO_PARTS else "video"
             raise bad(f"'{pwhere}': {media} input is not supported for {caps.family} models", pwhere)
         else:
             raise bad(f"'{pwhere}': unsupported content part type {kind!r}", pwhere)
-    return "".join(texts)
+    if not has_image:  # text only: the plain string, rendered exactly as a string content is
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_url(part: dict, where: str) -> str:
+    """The URL of an ``image_url`` part: ``{"url": ..., "detail": ...}`` or a bare string."""
+    value = part.get("image_url")
+    if isinstance(value, dict):
+        extra = sorted(k for k in value if k not in ("url", "detail"))
+        if extra:
+            raise bad(f"unsupported field(s) in '{where}.image_url': {', '.join(map(repr, extra))}",
+                      f"{where}.image_url")
+        detail = value.get("detail")  # a hint for OpenAI's own resizing: accepted, ignored
+        if detail is not None and detail not in DETAILS:
+            raise bad(f"'{where}.image_url.detail' must be one of {', '.join(DETAILS)}, got {detail!r}",
+                      f"{where}.image_url.detail")
+        value, name = value.get("url"), f"{where}.image_url.url"
+    else:
+        name = f"{where}.image_url"
+    if value is None:
+        raise bad(f"'{where}' has no image URL: send \"image_url\": {{\"url\": \"data:image/...;base64,...\"}}",
+                  where)
+    url = _str(value, name)
+    if not url.strip():
+        raise bad(f"'{name}' is empty", name)
+    return url
 
 
 def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
@@ -233,7 +273,7 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
-    out = []
+    out, images = [], []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -247,10 +287,15 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
                       f"{where}.role")
         # reasoning_content of earlier assistant turns is dropped on purpose:
         # thoughts stay out of the multi-turn history (model card).
-        out.append({"role": ROLES[role], "content": _content_text(msg.get("content"), where, caps)})
+        out.append({"role": ROLES[role],
+                    "content": _content(msg.get("content"), where, ROLES[role], caps, images)})
     if not any(m["content"] for m in out):
         raise bad("the prompt is empty: every message has empty content", "messages")
-    req.messages = out
+    if len(images) > caps.max_images:
+        first = images[caps.max_images][0]
+        raise bad(f"'{first}': the request has {len(images)} images; this server takes at most "
+                  f"{caps.max_images} per request (dlm-run serve --max-images)", first)
+    req.messages, req.images = out, images
     return req
 
 
@@ -264,6 +309,9 @@ def parse_completion(body: Any, caps: ModelCaps) -> ParsedRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
+    if isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt):
+        raise bad("/v1/completions takes a text prompt only; send images to /v1/chat/completions as "
+                  "image_url content parts", "prompt")
     if not isinstance(prompt, str):
         raise bad("'prompt' must be a string (one prompt per request)", "prompt")
     _str(prompt, "prompt")

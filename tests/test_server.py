@@ -33,12 +33,9 @@ LONG = {"max_tokens": 256, "max_denoising_steps": 8, "seed": 3}
 @pytest.fixture(scope="module")
 def dg_paths(tiny_dg_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_dg")
-    out = {}
-    for name, text_only in (("tiny-dg", True), ("tiny-dg-vision", False)):
-        convert(ConvertOptions(source=str(tiny_dg_dir), output=str(root / name), text_only=text_only,
-                               progress=False), echo=lambda s: None)
-        out[name] = root / name
-    return out
+    convert(ConvertOptions(source=str(tiny_dg_dir), output=str(root / "tiny-dg"), text_only=True,
+                           progress=False), echo=lambda s: None)
+    return {"tiny-dg": root / "tiny-dg"}
 
 
 @pytest.fixture(scope="module")
@@ -271,15 +268,6 @@ def test_bad_requests_get_a_clear_4xx_and_the_next_one_is_served(served, route, 
         ok = h.post("/v1/chat/completions", json={"messages": MSGS, "seed": 1})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
     assert worker.status()["alive"]
-
-
-def test_images_to_the_multimodal_checkpoint_are_refused_cleanly(dg_paths, serving):
-    app = create_app(api.load(dg_paths["tiny-dg-vision"]), DEFAULTS)
-    with serving(app) as base, httpx.Client(base_url=base, timeout=60) as h:
-        r = h.post("/v1/chat/completions", json=user(IMAGE))
-        assert r.status_code == 400 and "not supported by dlm-run serve" in r.json()["error"]["message"]
-        assert h.post("/v1/chat/completions", json=user(VIDEO)).status_code == 400
-        assert h.post("/v1/chat/completions", json={"messages": MSGS}).status_code == 200
 
 
 # -- queueing, concurrency, cancellation ----------------------------------------------

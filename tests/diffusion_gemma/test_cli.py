@@ -54,7 +54,7 @@ def test_prompt_from_stdin_uses_chat_template(tiny_dg_mlx_dir):
 @pytest.mark.parametrize("extra, message", [
     (["--top-k", "5"], "--top-k does not apply to DiffusionGemma"),
     (["--top-p", "0.5"], "--top-p does not apply to DiffusionGemma"),
-    (["--image", "x.png"], "image input is not supported"),
+    (["--image", "x.png"], "--image x.png: no such file"),
     (["--audio", "x.wav"], "audio input is not supported"),
     (["--diffusion-max-canvas-length", "64"], "diffusion_max_canvas_length 64 exceeds"),
 ])

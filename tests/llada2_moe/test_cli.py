@@ -67,7 +67,7 @@ def test_generate_llada_flags_and_profile(converted):
         (["--diffusion-sampler", "entropy-bound"], "--diffusion-sampler does not apply to LLaDA-2"),
         (["--diffusion-threshold", "0.5"], "--diffusion-threshold"),
         (["--debug-canvas"], "--debug-canvas"),
-        (["--image", "x.png"], "image input is not supported"),
+        (["--image", "x.png"], "--image x.png: no such file"),
         (["--audio", "x.wav"], "audio input is not supported"),
         (["--threshold-schedule", "cosine"], "--threshold-schedule"),
     ],
