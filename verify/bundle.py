@@ -9,10 +9,18 @@ A bundle is a directory:
   meta), the commit-stream settings and, per stream, its committed tokens,
   steps per canvas and finish reason; optionally a ``matched`` section (the
   reference run with a converted model's own dequantized weights, keyed by that
-  model's weight fingerprint).
+  model's weight fingerprint); for a reference that takes images, an
+  ``images`` section (the built-in images' names, sizes and soft tokens, the
+  image prompts as ids + image names, the image logit cases, which image
+  prompts have commit streams) or an ``image_note`` saying why there is none.
 * ``arrays.safetensors``: case inputs (``case/<name>/<key>``), reference logits
   (``logits/<name>``), per-step stream traces (``stream/<i>/<block>/<field>``),
   and the same under ``matched/`` for a matched run. float32 / int32 / int64.
+  Images: the processed pixels (``image/<name>/pixel_values``,
+  ``image/<name>/position_ids``: exactly what both vision towers see), image
+  case inputs (``image_case/<name>/<key>``) and, per run, vision features
+  (``features/<name>``), image logits (``image_logits/<name>``) and image
+  stream traces (``image_stream/<i>/<block>/<field>``).
 
 Written to a temporary sibling directory and renamed at the end, so a failed
 record leaves nothing half-written.
@@ -31,6 +39,9 @@ import numpy as np
 
 from dlm.runtime.errors import ConfigError, DlmError
 
+from dlm.runtime.inputs import ImageInput
+
+from .images import ImagePrompt, ImageSet
 from .protocol import BlockTrace, CommitStream, LogitCase
 from .report import umask_mode
 
@@ -45,6 +56,10 @@ class ReferenceRun:
     logits: dict[str, np.ndarray] = field(default_factory=dict)
     streams: list[CommitStream] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # source, revision, dtype, versions, fingerprint
+    # Image rows: vision features per image, logits per image case, image commit streams.
+    features: dict[str, np.ndarray] = field(default_factory=dict)
+    image_logits: dict[str, np.ndarray] = field(default_factory=dict)
+    image_streams: list[CommitStream] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +75,8 @@ class Bundle:
     original: ReferenceRun
     matched: Optional[ReferenceRun] = None
     path: Optional[Path] = None
+    images: Optional[ImageSet] = None  # None: no image rows (image_note says why)
+    image_note: str = ""
 
 
 def _stream_to_json(stream: CommitStream) -> dict:
@@ -69,41 +86,108 @@ def _stream_to_json(stream: CommitStream) -> dict:
     }
 
 
-def _put_run(arrays: dict, prefix: str, run: ReferenceRun) -> dict:
-    for name, value in run.logits.items():
-        arrays[f"{prefix}logits/{name}"] = np.ascontiguousarray(value, np.float32)
-    for i, stream in enumerate(run.streams):
+def _put_streams(arrays: dict, prefix: str, streams: list[CommitStream]) -> list[dict]:
+    for i, stream in enumerate(streams):
         for b, block in enumerate(stream.blocks):
-            base = f"{prefix}stream/{i}/{b}/"
+            base = f"{prefix}/{i}/{b}/"
             arrays[base + "step_argmax"] = np.ascontiguousarray(block.step_argmax, np.int32)
             arrays[base + "topk_ids"] = np.ascontiguousarray(block.topk_ids, np.int32)
             arrays[base + "topk_logits"] = np.ascontiguousarray(block.topk_logits, np.float32)
-    return {"meta": run.meta, "streams": [_stream_to_json(s) for s in run.streams],
-            "cases": sorted(run.logits)}
+    return [_stream_to_json(s) for s in streams]
+
+
+def _put_run(arrays: dict, prefix: str, run: ReferenceRun) -> dict:
+    for name, value in run.logits.items():
+        arrays[f"{prefix}logits/{name}"] = np.ascontiguousarray(value, np.float32)
+    doc = {"meta": run.meta, "streams": _put_streams(arrays, f"{prefix}stream", run.streams),
+           "cases": sorted(run.logits)}
+    if run.features or run.image_logits or run.image_streams:
+        for name, value in run.features.items():
+            arrays[f"{prefix}features/{name}"] = np.ascontiguousarray(value, np.float32)
+        for name, value in run.image_logits.items():
+            arrays[f"{prefix}image_logits/{name}"] = np.ascontiguousarray(value, np.float32)
+        doc["features"] = sorted(run.features)
+        doc["image_cases"] = sorted(run.image_logits)
+        doc["image_streams"] = _put_streams(arrays, f"{prefix}image_stream", run.image_streams)
+    return doc
+
+
+def _array(arrays: dict, key: str) -> np.ndarray:
+    if key not in arrays:
+        raise ConfigError(f"bundle is missing array {key}")
+    return arrays[key]
+
+
+def _get_streams(arrays: dict, prefix: str, data: list, prompts: list, stream_prompts: list[int]
+                 ) -> list[CommitStream]:
+    streams = []
+    for i, s in enumerate(data):
+        blocks = []
+        for b, blk in enumerate(s["blocks"]):
+            base = f"{prefix}/{i}/{b}/"
+            blocks.append(BlockTrace(
+                tokens=list(blk["tokens"]), steps=int(blk["steps"]),
+                step_argmax=_array(arrays, base + "step_argmax"), topk_ids=_array(arrays, base + "topk_ids"),
+                topk_logits=_array(arrays, base + "topk_logits"),
+            ))
+        streams.append(CommitStream(list(prompts[stream_prompts[i]]), blocks, s.get("finish_reason")))
+    return streams
 
 
 def _get_run(arrays: dict, prefix: str, data: dict, prompts: list[list[int]],
-             stream_prompts: list[int]) -> ReferenceRun:
+             stream_prompts: list[int], images: Optional[ImageSet] = None) -> ReferenceRun:
     run = ReferenceRun(meta=data.get("meta", {}))
     for name in data.get("cases", []):
-        key = f"{prefix}logits/{name}"
-        if key not in arrays:
-            raise ConfigError(f"bundle is missing array {key}")
-        run.logits[name] = arrays[key]
-    for i, s in enumerate(data.get("streams", [])):
-        blocks = []
-        for b, blk in enumerate(s["blocks"]):
-            base = f"{prefix}stream/{i}/{b}/"
-            try:
-                blocks.append(BlockTrace(
-                    tokens=list(blk["tokens"]), steps=int(blk["steps"]),
-                    step_argmax=arrays[base + "step_argmax"], topk_ids=arrays[base + "topk_ids"],
-                    topk_logits=arrays[base + "topk_logits"],
-                ))
-            except KeyError as exc:
-                raise ConfigError(f"bundle is missing array {exc.args[0]}") from None
-        run.streams.append(CommitStream(prompts[stream_prompts[i]], blocks, s.get("finish_reason")))
+        run.logits[name] = _array(arrays, f"{prefix}logits/{name}")
+    run.streams = _get_streams(arrays, f"{prefix}stream", data.get("streams", []), prompts, stream_prompts)
+    if images is not None:
+        for name in data.get("features", []):
+            run.features[name] = _array(arrays, f"{prefix}features/{name}")
+        for name in data.get("image_cases", []):
+            run.image_logits[name] = _array(arrays, f"{prefix}image_logits/{name}")
+        run.image_streams = _get_streams(arrays, f"{prefix}image_stream", data.get("image_streams", []),
+                                         [p.ids for p in images.prompts], images.stream_prompts)
     return run
+
+
+def _put_images(arrays: dict, images: ImageSet) -> dict:
+    for name, image in images.images.items():
+        arrays[f"image/{name}/pixel_values"] = np.ascontiguousarray(image.pixel_values, np.float32)
+        arrays[f"image/{name}/position_ids"] = np.ascontiguousarray(image.position_ids, np.int32)
+    cases = []
+    for case in images.cases:
+        for key, value in case.arrays.items():
+            arrays[f"image_case/{case.name}/{key}"] = np.ascontiguousarray(value)
+        cases.append({"name": case.name, "prompt": images.prompt_index(case), "meta": case.meta,
+                      "arrays": sorted(case.arrays)})
+    return {
+        "images": images.describe(),
+        "prompts": [{"ids": p.ids, "images": p.images} for p in images.prompts],
+        "cases": cases, "stream_prompts": images.stream_prompts,
+    }
+
+
+def _get_images(arrays: dict, doc: dict) -> ImageSet:
+    images = {}
+    for item in doc.get("images", []):
+        name = item["name"]
+        images[name] = ImageInput(
+            pixel_values=_array(arrays, f"image/{name}/pixel_values"),
+            position_ids=_array(arrays, f"image/{name}/position_ids"),
+            soft_tokens=int(item["soft_tokens"]), size=tuple(item.get("size", (0, 0))),
+        )
+    prompts = []
+    for p in doc.get("prompts", []):
+        unknown = [n for n in p["images"] if n not in images]
+        if unknown:
+            raise ConfigError(f"bundle image prompt names image {unknown[0]!r}, which the bundle lacks")
+        prompts.append(ImagePrompt(list(map(int, p["ids"])), list(p["images"])))
+    out = ImageSet(images, prompts, stream_prompts=list(doc.get("stream_prompts", [])))
+    for c in doc.get("cases", []):
+        arr = {key: _array(arrays, f"image_case/{c['name']}/{key}") for key in c.get("arrays", [])}
+        p = prompts[c["prompt"]]
+        out.cases.append(LogitCase(c["name"], list(p.ids), arr, c.get("meta", {}), [images[n] for n in p.images]))
+    return out
 
 
 def save(bundle: Bundle, out: Path) -> Path:
@@ -129,6 +213,10 @@ def save(bundle: Bundle, out: Path) -> Path:
     }
     if bundle.matched is not None:
         doc["matched"] = _put_run(arrays, "matched/", bundle.matched)
+    if bundle.images is not None:
+        doc["images"] = _put_images(arrays, bundle.images)
+    if bundle.image_note:
+        doc["image_note"] = bundle.image_note
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(umask_mode(directory=True))  # mkdtemp is owner-only; bundles are shared
@@ -185,13 +273,14 @@ def load(path: Path) -> Bundle:
             arr[key] = arrays[full]
         cases.append(LogitCase(c["name"], prompts[c["prompt"]], arr, c.get("meta", {})))
     stream_prompts = list(doc.get("stream_prompts", []))
-    original = _get_run(arrays, "", doc["original"], prompts, stream_prompts)
+    images = _get_images(arrays, doc["images"]) if "images" in doc else None
+    original = _get_run(arrays, "", doc["original"], prompts, stream_prompts, images)
     matched = None
     if "matched" in doc:
-        matched = _get_run(arrays, "matched/", doc["matched"], prompts, stream_prompts)
+        matched = _get_run(arrays, "matched/", doc["matched"], prompts, stream_prompts, images)
     return Bundle(
         family=doc["family"], model_type=doc["model_type"], config=doc["config"],
         generation_config=doc.get("generation_config", {}), prompts=prompts, cases=cases,
         settings=doc["settings"], stream_prompts=stream_prompts, original=original, matched=matched,
-        path=path,
+        path=path, images=images, image_note=str(doc.get("image_note", "")),
     )

@@ -1,6 +1,8 @@
-"""The four parity checks: numbers, thresholds and a verdict each.
+"""The parity checks: numbers, thresholds and a verdict each.
 
-Generic over families: inputs are per-case logits and commit streams.
+Generic over families: inputs are per-case logits, commit streams and (image
+rows) vision features. A row's ``kind`` names its threshold table and how it
+is shown (``image.logits.p0`` is a ``logits`` row); its ``name`` is unique.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ TITLES = {
     "implementation": "Implementation parity (same weights)",
     "drift": "Quantization drift",
     "commit_stream": "Commit streams (deterministic generation)",
+    "features": "Image features vs the original weights",
 }
 
 
@@ -33,10 +36,15 @@ class CheckResult:
     failures: list[str] = field(default_factory=list)
     note: str = ""
     details: dict = field(default_factory=dict)
+    kind: str = ""  # threshold table and display (default: name)
+    label: str = ""  # title (default: the kind's)
+
+    def __post_init__(self):
+        self.kind = self.kind or self.name
 
     @property
     def title(self) -> str:
-        return TITLES.get(self.name, self.name)
+        return self.label or TITLES.get(self.kind, self.name)
 
     @property
     def passed(self) -> bool:
@@ -44,23 +52,24 @@ class CheckResult:
 
     def to_dict(self) -> dict:
         return dict(
-            name=self.name, title=self.title, status=self.status, passed=self.passed,
+            name=self.name, kind=self.kind, title=self.title, status=self.status, passed=self.passed,
             metrics=self.metrics, thresholds=self.thresholds, precision_class=self.precision_class,
             failures=self.failures, note=self.note, details=self.details,
         )
 
 
-def skipped(name: str, note: str) -> CheckResult:
-    return CheckResult(name, "skip", note=note)
+def skipped(name: str, note: str, kind: str = "", label: str = "") -> CheckResult:
+    return CheckResult(name, "skip", note=note, kind=kind, label=label)
 
 
 def _verdict(name: str, metrics: dict, prec: Precision, overrides: dict | None, note: str = "",
-             details: dict | None = None) -> CheckResult:
-    cls, bounds, _ = thresholds_for(name, prec.label, prec.compute_dtype, prec.bits, overrides)
+             details: dict | None = None, kind: str = "", label: str = "") -> CheckResult:
+    kind = kind or name
+    cls, bounds, _ = thresholds_for(kind, prec.label, prec.compute_dtype, prec.bits, overrides)
     ok, failures = evaluate(metrics, bounds)
     return CheckResult(
         name, "pass" if ok else "fail", metrics, {k: [op, v] for k, (op, v) in bounds.items()},
-        cls, failures, note, details or {},
+        cls, failures, note, details or {}, kind, label,
     )
 
 
@@ -76,15 +85,31 @@ def _per_case(ref: dict[str, np.ndarray], mlx: dict[str, np.ndarray], tol: float
 
 
 def check_logits(name: str, ref: dict[str, np.ndarray], mlx: dict[str, np.ndarray], prec: Precision,
-                 overrides: dict | None = None, note: str = "") -> CheckResult:
-    """``logits`` (vs original) and ``implementation`` (vs same weights)."""
-    tol = _tolerance(name, prec, overrides)
+                 overrides: dict | None = None, note: str = "", kind: str = "", label: str = "") -> CheckResult:
+    """``logits`` (vs original) and ``implementation`` (vs same weights); ``kind``
+    (default ``name``) is one of the two for the image rows."""
+    kind = kind or name
+    tol = _tolerance(kind, prec, overrides)
     per_case = _per_case(ref, mlx, tol)
     if not per_case:
-        return skipped(name, "no logit cases")
+        return skipped(name, "no logit cases", kind, label)
     worst = max(per_case, key=lambda k: (per_case[k]["max_abs"], -per_case[k]["top1"]))
     details = {"cases": per_case, "worst_case": worst, "tie_tolerance": tol}
-    return _verdict(name, M.aggregate(per_case), prec, overrides, note, details)
+    return _verdict(name, M.aggregate(per_case), prec, overrides, note, details, kind, label)
+
+
+def check_features(name: str, ref: dict[str, np.ndarray], mlx: dict[str, np.ndarray], prec: Precision,
+                   overrides: dict | None = None, note: str = "", label: str = "") -> CheckResult:
+    """Vision features per image (``features`` thresholds): the worst image decides."""
+    missing = sorted(set(ref) - set(mlx))
+    if missing:
+        raise ValueError(f"no MLX features for image {missing[0]}")
+    per_image = {n: M.features_metrics(ref[n], mlx[n]) for n in ref}
+    if not per_image:
+        return skipped(name, "no images", "features", label)
+    worst = max(per_image, key=lambda k: (per_image[k]["max_abs"], -per_image[k]["cosine_min"]))
+    details = {"images": per_image, "worst_image": worst}
+    return _verdict(name, M.aggregate_features(per_image), prec, overrides, note, details, "features", label)
 
 
 def _stream_rows(ref: list[CommitStream], mlx: list[CommitStream], tol: float) -> list[dict]:
@@ -103,9 +128,10 @@ def _stream_rows(ref: list[CommitStream], mlx: list[CommitStream], tol: float) -
 
 def check_commit_stream(ref: list[CommitStream], mlx: list[CommitStream], prec: Precision,
                         overrides: dict | None = None, note: str = "",
-                        original: Optional[list[CommitStream]] = None) -> CheckResult:
+                        original: Optional[list[CommitStream]] = None, name: str = "commit_stream",
+                        label: str = "") -> CheckResult:
     if not ref or not mlx:
-        return skipped("commit_stream", "no commit streams")
+        return skipped(name, "no commit streams", "commit_stream", label)
     tol = _tolerance("commit_stream", prec, overrides)
     rows = _stream_rows(ref, mlx, tol)
     metrics = dict(
@@ -127,14 +153,14 @@ def check_commit_stream(ref: list[CommitStream], mlx: list[CommitStream], prec: 
     first = next((r for r in rows if r["divergence"]), None)
     if first:
         details["first_divergence"] = f"prompt {first['prompt']}: {first['divergence_text']}"
-    return _verdict("commit_stream", metrics, prec, overrides, note, details)
+    return _verdict(name, metrics, prec, overrides, note, details, "commit_stream", label)
 
 
 def check_drift(orig_logits: dict, mlx_logits: dict, orig_streams: list[CommitStream],
                 mlx_streams: list[CommitStream], prec: Precision,
-                overrides: dict | None = None) -> CheckResult:
+                overrides: dict | None = None, name: str = "drift", label: str = "") -> CheckResult:
     if not prec.quantized:
-        return skipped("drift", f"not quantized ({prec.label})")
+        return skipped(name, f"not quantized ({prec.label})", "drift", label)
     per_case = _per_case(orig_logits, mlx_logits, _tolerance("drift", prec, overrides))
     agg = M.aggregate(per_case)
     rows = [M.stream_metrics(o, m) for o, m in zip(orig_streams, mlx_streams)]
@@ -152,4 +178,4 @@ def check_drift(orig_logits: dict, mlx_logits: dict, orig_streams: list[CommitSt
         steps_ratio=(mlx_steps / ref_steps) if ref_steps else None,
     )
     details = {"streams": [{k: r[k] for k in ("token_match", "reference_steps", "mlx_steps")} for r in rows]}
-    return _verdict("drift", metrics, prec, overrides, "", details)
+    return _verdict(name, metrics, prec, overrides, "", details, "drift", label)

@@ -46,6 +46,9 @@ def _common(f):
                      help="Max denoising steps per canvas in commit streams [default: generation_config]."),
         click.option("--stream-prompts", type=click.IntRange(0), default=2, show_default=True,
                      help="How many prompts get a commit stream."),
+        click.option("--no-images", is_flag=True,
+                     help="Skip the image rows (models with a vision tower: built-in images through the "
+                     "vision tower, prompts with images, an image commit stream)."),
         click.option("--trust-remote-code", is_flag=True,
                      help="Allow checkpoint code (never run otherwise)."),
         click.option("--torch-threads", type=click.IntRange(1), default=None,
@@ -93,9 +96,10 @@ def _fail(exc: Exception, code: int = 2):
 @click.pass_context
 def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo, thresholds, no_implementation,
          revision, reference_dtype, prompts_file, no_builtin_prompts, canvases, steps, stream_prompts,
-         trust_remote_code, torch_threads, quiet):
+         no_images, trust_remote_code, torch_threads, quiet):
     """Check a converted MLX model against its PyTorch reference (logits,
-    implementation parity, quantization drift, debug-canvas commit streams).
+    implementation parity, quantization drift, debug-canvas commit streams;
+    with a vision tower also the same on built-in images).
 
     
       dlm-verify --parity MLX_DIR [--reference REPO_OR_DIR] [--report r.json] [--update-card]
@@ -130,7 +134,7 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
             reference=reference, revision=revision, reference_dtype=reference_dtype,
             prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, bundle=bundle,
             canvases=canvases, steps=steps, stream_prompts=stream_prompts,
-            implementation=not no_implementation, trust_remote_code=trust_remote_code,
+            implementation=not no_implementation, images=not no_images, trust_remote_code=trust_remote_code,
             thresholds=load_overrides(thresholds), progress=progress,
         )
         report = run_parity(Path(mlx_dir), options)
@@ -169,7 +173,7 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
               "(implementation parity without torch later).")
 @_common
 def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, no_builtin_prompts,
-           canvases, steps, stream_prompts, trust_remote_code, torch_threads, quiet):
+           canvases, steps, stream_prompts, no_images, trust_remote_code, torch_threads, quiet):
     """Record reference logits and commit streams into a bundle (needs torch
     and the original weights; the comparison later needs neither)."""
 
@@ -191,8 +195,8 @@ def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, 
         options = Options(
             reference=reference, revision=revision, reference_dtype=reference_dtype,
             prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, canvases=canvases,
-            steps=steps, stream_prompts=stream_prompts, trust_remote_code=trust_remote_code,
-            progress=progress,
+            steps=steps, stream_prompts=stream_prompts, images=not no_images,
+            trust_remote_code=trust_remote_code, progress=progress,
         )
         data = run_record(reference, options, Path(mlx_dir) if mlx_dir else None)
         out = B.save(data, Path(output))
@@ -200,11 +204,16 @@ def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, 
         _fail(exc)
     except ImportError as exc:
         _fail(f"recording needs torch and transformers ({exc})")
+    images = data.images
     click.echo(
         f"recorded {len(data.cases)} logit cases and {len(data.original.streams)} commit streams "
         f"({len(data.prompts)} prompts) from {reference} into {out}"
+        + (f"; images: {len(images.images)} built-in images, {len(images.cases)} image logit cases, "
+           f"{len(images.stream_prompts)} image commit streams" if images is not None else "")
         + (" (with the MLX weights' reference)" if data.matched else "")
     )
+    if images is None and data.image_note:
+        click.echo(f"no image cases: {data.image_note}")
 
 
 if __name__ == "__main__":  # pragma: no cover

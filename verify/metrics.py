@@ -57,6 +57,51 @@ def logits_metrics(ref: np.ndarray, mlx: np.ndarray, tie_tolerance: float = 0.0)
     )
 
 
+def features_metrics(ref: np.ndarray, mlx: np.ndarray) -> dict:
+    """Vision features ``[tokens, hidden]``: max/mean |Δ|, the cosine of each
+    soft token's two vectors (worst and mean) and the relative error
+    ‖Δ‖ / ‖ref‖ over the image."""
+    ref = np.asarray(ref, np.float64)
+    mlx = np.asarray(mlx, np.float64)
+    if ref.shape != mlx.shape:
+        raise ValueError(f"feature shapes differ: reference {ref.shape}, MLX {mlx.shape}")
+    if not np.all(np.isfinite(mlx)):
+        return dict(max_abs=float("inf"), mean_abs=float("inf"), cosine_min=0.0, cosine_mean=0.0,
+                    rel_err=float("inf"), tokens=int(ref.shape[0]), nonfinite=int((~np.isfinite(mlx)).sum()))
+    diff = np.abs(ref - mlx)
+    norms = np.linalg.norm(ref, axis=-1) * np.linalg.norm(mlx, axis=-1)
+    dots = (ref * mlx).sum(-1)
+    # Two zero vectors agree; one zero vector against another does not.
+    cos = np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0),
+                   np.where(np.abs(ref).sum(-1) + np.abs(mlx).sum(-1) == 0, 1.0, 0.0))
+    scale = np.linalg.norm(ref)
+    return dict(
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        mean_abs=float(diff.mean()) if diff.size else 0.0,
+        cosine_min=float(cos.min()) if cos.size else 1.0,
+        cosine_mean=float(cos.mean()) if cos.size else 1.0,
+        rel_err=float(np.linalg.norm(ref - mlx) / scale) if scale > 0 else float(np.linalg.norm(mlx) > 0),
+        tokens=int(ref.shape[0]),
+    )
+
+
+def aggregate_features(per_image: dict[str, dict]) -> dict:
+    """Worst image for every error, token-weighted mean for the mean cosine."""
+    rows = list(per_image.values())
+    if not rows:
+        return {}
+    tokens = np.array([r["tokens"] for r in rows], np.float64)
+    return dict(
+        max_abs=max(r["max_abs"] for r in rows),
+        mean_abs=float(np.average([r["mean_abs"] for r in rows], weights=tokens)) if tokens.sum() else 0.0,
+        cosine_min=min(r["cosine_min"] for r in rows),
+        cosine_mean=float(np.average([r["cosine_mean"] for r in rows], weights=tokens)) if tokens.sum() else 1.0,
+        rel_err=max(r["rel_err"] for r in rows),
+        images=len(rows),
+        tokens=int(tokens.sum()),
+    )
+
+
 def aggregate(per_case: dict[str, dict]) -> dict:
     """Worst case over cases for errors, mean for top-1/KL (the gate is per metric)."""
     if not per_case:

@@ -66,6 +66,38 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     The dtype the MLX model computes in ("float32", "bfloat16", ...). Default:
     the dtype of its unquantized floating-point weights.
 
+Image hooks (optional, all or none; a family without images defines none)
+--------------------------------------------------------------------------
+
+With them the suite also checks the image path on the built-in test images
+(``dlm.verify.images``), whose prompts it encodes with ``dlm.runtime.api
+.encode_inputs``; then ``reference_logits`` / ``mlx_logits`` also get cases
+whose ``images`` are set (their preprocessed images, in prompt order), and
+``reference_commit_stream`` / ``mlx_commit_stream`` also get a
+``dlm.runtime.inputs.PromptInputs`` in place of the ids.
+
+``has_vision(config) -> bool``
+    Whether a config.json (original or converted) describes a vision tower
+    whose weights the checkpoint holds (False for a text-only conversion).
+
+``image_support(path, config) -> str | None``
+    None when the reference checkpoint at ``path`` can take images, else why
+    not (shown as a note: no vision tower, no image processor files, ...).
+
+``image_logit_cases(config, prompts, generation_config) -> list[LogitCase]``
+    The fixed forward passes on the image prompts (``list[PromptInputs]``),
+    each case with ``images`` set; names start with ``image.`` and are unique.
+
+``reference_image_features(ref, image) -> np.ndarray``
+``mlx_image_features(loaded, image) -> np.ndarray``
+    float32 ``[soft_tokens, hidden]``: one preprocessed image
+    (``dlm.runtime.inputs.ImageInput``) through the vision tower and its
+    projection into the text embedding space, as the prompt embeds it.
+
+``is_vision_weight(name) -> bool``
+    Whether a converted (MLX) tensor belongs to the vision encoder: the
+    precision of those tensors sets the image-feature thresholds.
+
 Import torch and transformers inside the ``reference_*`` / ``load_reference``
 functions, never at module level: ``dlm-verify --parity MLX_DIR --bundle B``
 imports the adapter for its MLX half on machines without torch.
@@ -112,6 +144,8 @@ class LogitCase:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     # JSON-able description (kind, canvas pattern, dependencies, ...).
     meta: dict = field(default_factory=dict)
+    # Image cases: the prompt's preprocessed images (dlm.runtime.inputs.ImageInput), in order.
+    images: list = field(default_factory=list)
 
     def describe(self) -> str:
         return f"{self.name} (prompt of {len(self.prompt_ids)} tokens)"
@@ -198,8 +232,28 @@ REQUIRED = (
 )
 
 
+IMAGE_HOOKS = (
+    "has_vision",
+    "image_support",
+    "image_logit_cases",
+    "reference_image_features",
+    "mlx_image_features",
+    "is_vision_weight",
+)
+
+
+def has_image_hooks(module) -> bool:
+    """Whether a (checked) adapter checks the image path."""
+    return all(callable(getattr(module, name, None)) for name in IMAGE_HOOKS)
+
+
 def check_adapter(module) -> None:
-    """Raise TypeError naming what a family's verify adapter lacks."""
+    """Raise TypeError naming what a family's verify adapter lacks (the image
+    hooks are optional, but all or none)."""
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise TypeError(f"{module.__name__} lacks verify adapter functions: {', '.join(missing)}")
+    some = [name for name in IMAGE_HOOKS if callable(getattr(module, name, None))]
+    if some and len(some) != len(IMAGE_HOOKS):
+        lacking = [name for name in IMAGE_HOOKS if name not in some]
+        raise TypeError(f"{module.__name__} has only some image hooks; it lacks {', '.join(lacking)}")

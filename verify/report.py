@@ -12,8 +12,9 @@ from pathlib import Path
 
 from .checks import CheckResult
 
-# Metrics shown per check (in order); thresholded metrics are always shown.
+# Metrics shown per check kind (in order); thresholded metrics are always shown.
 SHOWN = {
+    "features": ("max_abs", "mean_abs", "cosine_min", "rel_err"),
     "logits": ("max_abs", "mean_abs", "top1", "top1_tol", "kl_mean", "entropy_diff_max"),
     "implementation": ("max_abs", "mean_abs", "top1", "top1_tol", "kl_mean", "entropy_diff_max"),
     "drift": ("kl_mean", "top1", "top1_tol", "commit_match", "reference_steps_per_canvas", "mlx_steps_per_canvas",
@@ -26,7 +27,8 @@ LABELS = {
     "entropy_diff_max": "max|ΔH|", "entropy_diff_mean": "mean|ΔH|", "commit_match": "commits",
     "reference_steps_per_canvas": "steps ref", "mlx_steps_per_canvas": "steps mlx",
     "steps_ratio": "steps×", "identical_fraction": "identical", "explained_fraction": "identical~", "steps_match_fraction": "same steps", "token_match": "tokens",
-    "tokens": "n", "vs_original_token_match": "vs orig",
+    "tokens": "n", "vs_original_token_match": "vs orig", "cosine_min": "cos min", "cosine_mean": "cos mean",
+    "rel_err": "rel|Δ|",
 }
 
 
@@ -44,6 +46,9 @@ def fmt(x) -> str:
             return "0"
         if abs(x) < 1e-3 or abs(x) >= 1e4:
             return f"{x:.1e}"
+        if 0.99 <= x < 1:  # cosines and agreement close to 1: show the nines
+            short = f"{x:.6g}"
+            return "1.000" if short == "1" else short
         return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
     return str(x)
 
@@ -60,6 +65,7 @@ class Report:
     cases: int = 0
     timings: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    images: dict = field(default_factory=dict)  # image cases (image_suite.summary); {} without
 
     @property
     def passed(self) -> bool:
@@ -72,7 +78,8 @@ class Report:
         return dict(
             passed=self.passed, model=self.model, family=self.family, precision=self.precision,
             reference=self.reference, prompts=self.prompts, cases=self.cases, settings=self.settings,
-            checks={c.name: c.to_dict() for c in self.checks}, timings=self.timings, notes=self.notes,
+            checks={c.name: c.to_dict() for c in self.checks}, images=self.images, timings=self.timings,
+            notes=self.notes,
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         )
 
@@ -92,6 +99,17 @@ class Report:
             Path(tmp).unlink(missing_ok=True)
             raise
 
+    def images_text(self) -> str:
+        """One line on the image cases ("" without)."""
+        if not self.images:
+            return ""
+        shown = ", ".join(f"{i['name']} {i['size'][0]}×{i['size'][1]} ({i['soft_tokens']} soft tokens)"
+                          for i in self.images.get("images", []))
+        n = self.images.get("stream_prompts", 0)
+        return (f"{len(self.images.get('images', []))} built-in images ({shown}) in "
+                f"{self.images.get('prompts', 0)} image prompts, {self.images.get('cases', 0)} image logit cases"
+                f"{f', commit streams for {n} of them' if n else ''}")
+
     def settings_text(self) -> str:
         """The commit-stream settings (family-specific keys), scalars only."""
         items = [f"{k}={v}" for k, v in self.settings.items()
@@ -101,7 +119,7 @@ class Report:
     # -- terminal -----------------------------------------------------------
 
     def _numbers(self, c: CheckResult) -> str:
-        keys = list(SHOWN.get(c.name, ()))
+        keys = list(SHOWN.get(c.kind, ()))
         keys += [k for k in c.thresholds if k not in keys and c.thresholds[k][1] is not None]
         parts = [f"{LABELS.get(k, k)} {fmt(c.metrics.get(k))}" for k in keys if k in c.metrics]
         return "  ".join(parts)
@@ -122,8 +140,10 @@ class Report:
             + (f", bundle {ref['bundle']}" if ref.get("bundle") and ref.get("source") else ""),
             f"  {self.prompts} prompts, {self.cases} logit cases; commit streams for "
             f"{self.settings.get('stream_prompts', 0)} prompts ({self.settings_text()})",
-            "",
         ]
+        if self.images:
+            lines.append(f"  images: {self.images_text()}")
+        lines.append("")
         rows = [("check", "verdict", "numbers", "threshold")]
         for c in self.checks:
             verdict = {"pass": "PASS", "fail": "FAIL", "skip": "skip"}[c.status]
@@ -135,12 +155,18 @@ class Report:
         for c in self.checks:
             for failure in c.failures:
                 lines.append(f"  ✗ {c.name}: {failure}")
-            if c.status == "fail" and c.name in ("logits", "implementation"):
+            if c.status == "fail" and c.kind in ("logits", "implementation"):
                 worst = c.details.get("worst_case")
                 if worst:
                     m = c.details["cases"][worst]
                     lines.append(f"    worst case {worst}: max|Δ| {fmt(m['max_abs'])}, top-1 {fmt(m['top1'])}")
-            div = c.details.get("first_divergence") if c.name == "commit_stream" else None
+            if c.status == "fail" and c.kind == "features" and len(c.details.get("images", {})) > 1:
+                worst = c.details.get("worst_image")
+                if worst:
+                    m = c.details["images"][worst]
+                    lines.append(f"    worst image {worst}: max|Δ| {fmt(m['max_abs'])}, "
+                                 f"cos min {fmt(m['cosine_min'])}")
+            div = c.details.get("first_divergence") if c.kind == "commit_stream" else None
             if div:
                 lines.append(f"  first divergence: {div}")
         for note in self.notes:
@@ -171,6 +197,11 @@ class Report:
             f"{self.prompts} prompts, {self.cases} fixed logit cases; commit streams of the deterministic "
             f"generation for {self.settings.get('stream_prompts', 0)} prompts ({self.settings_text()}).",
             "",
+        ]
+        if self.images:
+            lines += [f"Images: {self.images_text()}; the image rows run the vision tower and prompts "
+                      "holding its features.", ""]
+        lines += [
             "| check | verdict | measured | threshold |",
             "|---|---|---|---|",
         ]
@@ -178,7 +209,7 @@ class Report:
             verdict = {"pass": "pass", "fail": "**FAIL**", "skip": "skipped"}[c.status]
             measured = self._numbers(c) if c.status != "skip" else c.note
             bounds = self._bounds(c) if c.status != "skip" else ""
-            cells = [c.title, verdict, measured, bounds]
+            cells = [f"{c.title} (`{c.name}`)", verdict, measured, bounds]
             lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
         lines.append("")
         lines.append(

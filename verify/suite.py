@@ -4,12 +4,12 @@
 a converted model's own weights) and returns a Bundle; ``run_parity(...)``
 compares a converted MLX directory with a live reference or a recorded
 bundle and returns a Report. Both are family-agnostic: the family's verify
-adapter (``dlm.verify.protocol``) does the model-specific work.
+adapter (``dlm.verify.protocol``) does the model-specific work; the image
+rows (models with a vision tower) are ``dlm.verify.image_suite``'s.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +22,8 @@ from dlm.runtime.registry import family_for_config
 from . import bundle as B
 from . import checks as C
 from . import weights as W
+from . import image_suite as I
+from .progress import tqdm as _tqdm
 from .protocol import check_adapter
 from .report import Report
 from .source import recorded_source, resolve_reference
@@ -40,35 +42,10 @@ class Options:
     steps: Optional[int] = None  # max denoising steps per canvas (None: generation_config)
     stream_prompts: Optional[int] = 2  # prompts that get commit streams (None: all)
     implementation: bool = True  # run check 2 (same weights)
+    images: bool = True  # image rows (a family with image hooks, a model with a vision tower)
     trust_remote_code: bool = False
     thresholds: dict = field(default_factory=dict)
     progress: bool = True
-
-
-def _tqdm(iterable, desc: str, enabled: bool, total: Optional[int] = None):
-    """Progress on stderr: a tqdm bar on a terminal, else plain lines (one every
-    few seconds, with an ETA, and one with the time taken), so a log shows where
-    a long run is."""
-    if not enabled:
-        return iterable
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
-    return _lines(iterable, desc, total if total is not None else len(iterable))
-
-
-def _lines(iterable, desc: str, total: int, every: float = 5.0):
-    start = last = time.perf_counter()
-    print(f"{desc}: 0/{total}", file=sys.stderr, flush=True)
-    for i, item in enumerate(iterable, 1):
-        yield item
-        now = time.perf_counter()
-        if now - last >= every and i < total:
-            eta = (now - start) / i * (total - i)
-            print(f"{desc}: {i}/{total} ({now - start:.0f} s, ETA {eta:.0f} s)", file=sys.stderr, flush=True)
-            last = now
-    print(f"{desc}: {total}/{total} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _text_config(config: dict) -> dict:
@@ -98,12 +75,15 @@ def _versions() -> dict:
     return out
 
 
-def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress, label) -> B.ReferenceRun:
+def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress, label,
+                   images=None) -> B.ReferenceRun:
     run = B.ReferenceRun()
     for case in _tqdm(cases, f"{label}: logits", progress):
         run.logits[case.name] = adapter.reference_logits(ref, case, run.logits)
     for i in _tqdm(stream_idx, f"{label}: commit streams", progress):
         run.streams.append(adapter.reference_commit_stream(ref, prompts[i], settings))
+    if images is not None:
+        I.run_reference(adapter, ref, images, settings, run, progress, label)
     return run
 
 
@@ -134,7 +114,9 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
     cases = adapter.logit_cases(config, prompts, generation_config)
     settings = adapter.stream_settings(config, generation_config, blocks=options.canvases, steps=options.steps)
     stream_idx = _stream_indices(len(prompts), options.stream_prompts)
-    original = _run_reference(adapter, ref, cases, prompts, stream_idx, settings, options.progress, "reference")
+    images, image_note = I.record_images(adapter, ref_path, config, generation_config, options)
+    original = _run_reference(adapter, ref, cases, prompts, stream_idx, settings, options.progress, "reference",
+                              images)
     local = Path(reference).expanduser().is_dir()
     original.meta = dict(source=str(ref_path.resolve()) if local else reference,
                          revision=options.revision, path=str(ref_path),
@@ -143,7 +125,7 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
     bundle = B.Bundle(
         family=family.name, model_type=str(config.get("model_type")), config=config,
         generation_config=generation_config, prompts=prompts, cases=cases, settings=settings,
-        stream_prompts=stream_idx, original=original,
+        stream_prompts=stream_idx, original=original, images=images, image_note=image_note,
     )
     if mlx_dir is not None:
         bundle.matched = _matched_run(Path(mlx_dir), bundle, family, adapter, options)
@@ -167,8 +149,9 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
     ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
                                  trust_remote_code=options.trust_remote_code)
     del weights
+    images, _ = I.usable(adapter, config, bundle, options)
     run = _run_reference(adapter, ref, bundle.cases, bundle.prompts, bundle.stream_prompts,
-                         bundle.settings, options.progress, "reference (MLX weights)")
+                         bundle.settings, options.progress, "reference (MLX weights)", images)
     run.meta = dict(dtype=dtype, fingerprint=W.fingerprint(mlx_dir), versions=_versions())
     return run
 
@@ -229,7 +212,9 @@ def run_parity(mlx_dir, options: Options) -> Report:
                 f"{mlx_dir / 'config.json'} records no source (\"dlm\": {{\"source\": ...}}); "
                 "pass --reference HF_REPO_OR_DIR or --bundle"
             )
-        live = Options(**{**options.__dict__, "reference": source, "revision": revision})
+        # A text-only conversion cannot use image cases: do not record them.
+        live = Options(**{**options.__dict__, "reference": source, "revision": revision,
+                          "images": I.mlx_takes_images(adapter, config, options)[0]})
         bundle = record(source, live, expect_family=family.name)
         reference = dict(bundle.original.meta)
     what = f"bundle {options.bundle}" if options.bundle else f"reference {reference.get('source')}"
@@ -260,6 +245,10 @@ def run_parity(mlx_dir, options: Options) -> Report:
     mlx_streams = []
     for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
         mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
+    images, image_note = I.usable(adapter, config, bundle, options)
+    if image_note:
+        notes.append(image_note)
+    mlx_images = I.run_mlx(adapter, loaded, images, bundle.settings, options.progress) if images else None
     timings["mlx"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -304,9 +293,14 @@ def run_parity(mlx_dir, options: Options) -> Report:
                                              note="vs the original reference"))
     else:
         results.append(C.skipped("commit_stream", "quantized model without the same-weights reference"))
+    if images is not None:
+        vision = I.vision_precision(adapter, mlx_dir, config, loaded, compute)
+        results += I.rows(bundle, images, mlx_images, matched, matched_note, prec, vs_original, vision,
+                          compute, thr)
 
     return Report(
         model=str(mlx_dir), family=family.name, precision=prec.to_dict(), reference=reference,
         checks=results, settings=dict(bundle.settings, stream_prompts=len(bundle.stream_prompts)),
         prompts=len(bundle.prompts), cases=len(bundle.cases), timings=timings, notes=notes,
+        images=I.summary(images),
     )

@@ -20,6 +20,13 @@ never failing). The defaults are meant for real checkpoints:
   weights): identical tokens and steps per canvas where the compute dtype is
   float32; in half precision each stream must be identical or first diverge
   at a near-tie or at a stop decision.
+* ``features`` (image rows: the vision tower + its projection, per soft
+  token): max |Δ| where the vision weights are float32; cosine per soft token
+  otherwise, as the logits checks judge half precision on relative numbers.
+  Keyed by the vision encoder's own precision (dlm-convert keeps it in float
+  unless --quantize-vision); the same-weights row by the compute dtype.
+  The image logits, drift and stream rows use the tables of ``logits``,
+  ``implementation``, ``drift`` and ``commit_stream``.
 
 Tiny random test models are chaotic (1e-4 relative weight noise moves logits
 by ~0.5), so their drift numbers are not meaningful: pass ``--thresholds``
@@ -64,6 +71,12 @@ DEFAULTS: dict[str, dict[str, dict[str, Bound]]] = {
                "steps_ratio": ("<=", 1.25)},
         "q4": {"kl_mean": ("<=", 0.1), "top1": (">=", 0.85), "commit_match": (">=", 0.5),
                "steps_ratio": ("<=", 1.5)},
+    },
+    "features": {
+        "float32": {"max_abs": ("<=", 1e-4), "cosine_min": (">=", 0.9999), "mean_abs": ("<=", None)},
+        "half": {"max_abs": ("<=", None), "mean_abs": ("<=", None), "cosine_min": (">=", 0.99)},
+        "q8": {"max_abs": ("<=", None), "mean_abs": ("<=", None), "cosine_min": (">=", 0.99)},
+        "q4": {"max_abs": ("<=", None), "mean_abs": ("<=", None), "cosine_min": (">=", 0.95)},
     },
     "commit_stream": {
         "float32": {"identical_fraction": (">=", 1.0), "steps_match_fraction": (">=", 1.0)},
@@ -134,5 +147,7 @@ def evaluate(metrics: dict, bounds: dict[str, Bound]) -> tuple[bool, list[str]]:
 
 def _num(x) -> str:
     if isinstance(x, float):
+        if 0.99 <= x < 1:  # cosines and agreement close to 1: show the nines
+            return f"{x:.6g}"
         return f"{x:.3g}"
     return str(x)

@@ -9,7 +9,7 @@ cannot hide itself from the implementation-parity check.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +59,10 @@ def _quant_params(config: dict, module: str, has_biases: bool = False) -> dict |
         raise ConfigError(f"config.json quantization of {module}: {exc}") from None
 
 
-def precision(model_dir: Path, config: dict | None = None) -> Precision:
+def precision(model_dir: Path, config: dict | None = None,
+              select: Callable[[str], bool] | None = None) -> Precision:
+    """The precision of a converted directory, or of the tensors ``select``
+    picks by name (the vision encoder's, for the image-feature rows)."""
     model_dir = Path(model_dir)
     config = config if config is not None else read_json(model_dir / "config.json", "config.json")
     import mlx.core as mx
@@ -70,6 +73,8 @@ def precision(model_dir: Path, config: dict | None = None) -> Precision:
     for f in weight_files(model_dir):
         arrays = mx.load(str(f))
         for name, arr in arrays.items():
+            if select is not None and not select(name):
+                continue
             base = name.rsplit(".", 1)[0]
             if name.endswith(".scales"):
                 params = _quant_params(config, base, base + ".biases" in arrays) or {}

@@ -23,8 +23,19 @@ import numpy as np
 from dlm.runtime.errors import ConfigError, DlmError, WeightError
 
 from dlm.runtime.checkpoint import read_json
+from dlm.runtime.inputs import split_prompt
 
 from ..protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
+from .images import (  # noqa: F401  (the adapter's image hooks)
+    VISION_PREFIXES,
+    has_vision,
+    image_support,
+    is_vision_weight,
+    mlx_image_features,
+    mlx_prefill,
+    reference_image_features,
+    torch_image_kwargs,
+)
 
 SC_TOPK = 64  # self-conditioning inputs are stored as top-K + tail mass (bundles stay small)
 # Tiny stand-in for the vision tower when the config has none (text-only
@@ -140,15 +151,19 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
 
 def _load_weights(model, weights: dict, target_dtype) -> None:
     """Copy ``{hf_name: array}`` into the model; every decoder tensor and
-    encoder layer scalar must be provided (tied encoder weights follow)."""
+    encoder layer scalar must be provided (tied encoder weights follow), and
+    when the weights hold any vision tower / embed_vision tensor, every one of
+    those too (text-only weights leave the tower unused: no image rows)."""
     import torch
 
     own = dict(model.named_parameters())
     own.update(dict(model.named_buffers()))
+    vision = any(str(name).startswith(VISION_PREFIXES) for name in weights)
     need = {
         n for n in own
         if n.startswith("model.decoder.")
         or (n.startswith("model.encoder.language_model.layers.") and n.endswith("layer_scalar"))
+        or (vision and n.startswith(VISION_PREFIXES))
     }
     with torch.no_grad():
         for name in weights:
@@ -206,6 +221,29 @@ def logit_cases(config: dict, prompts: list[list[int]], generation_config: dict)
     return cases
 
 
+def image_logit_cases(config: dict, prompts: list, generation_config: dict) -> list[LogitCase]:
+    """Per image prompt (a PromptInputs): prefill with the images + one decoder
+    step on the first debug-canvas pattern, without and with
+    self-conditioning; for the first prompt also a decoder step after one
+    committed canvas (the cache holds the image blocks)."""
+    L, V = _canvas_length(config), _vocab(config)
+    t_max = float(generation_config.get("t_max") or _GEN_DEFAULTS["t_max"])
+    canvas = debug_pattern(0, L, V)
+    cases: list[LogitCase] = []
+    for i, prompt in enumerate(prompts):
+        ids, images = split_prompt(prompt)
+        base = f"image.p{i}.debug"
+        cases.append(LogitCase(base, ids, {"canvas": canvas}, {"canvas": "debug"}, images))
+        cases.append(LogitCase(base + ".sc", ids, {"canvas": canvas},
+                               {"canvas": "debug", "sc_from": base, "sc_temperature": t_max}, images))
+        if i == 0:
+            cases.append(LogitCase(
+                f"image.p{i}.next", ids, {"committed": debug_pattern(1, L, V), "canvas": debug_pattern(2, L, V)},
+                {"canvas": "debug", "committed": "debug"}, images,
+            ))
+    return cases
+
+
 def sc_inputs(logits: np.ndarray, temperature: float, k: int = SC_TOPK) -> dict[str, np.ndarray]:
     """Self-conditioning input = the previous step's processed logits
     (logits / T), stored as the top-k entries per position plus one fill value
@@ -259,7 +297,7 @@ def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
     with torch.no_grad():
         cache = DynamicCache(config=model.config.get_text_config(decoder=True))
         ids = torch.tensor([case.prompt_ids], dtype=torch.long)
-        pos = _encode(model, ids, cache, start=0, prefill=True)
+        pos = _encode(model, ids, cache, start=0, prefill=True, images=case.images)
         if "committed" in case.arrays:
             committed = torch.from_numpy(np.asarray(case.arrays["committed"], np.int64))[None]
             ids = torch.cat([ids, committed], dim=-1)
@@ -273,8 +311,9 @@ def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
     return out[0].float().numpy()
 
 
-def _encode(model, ids, cache, *, start: int, prefill: bool) -> int:
-    """Run the encoder on the uncached tokens of ``ids``; returns the new length."""
+def _encode(model, ids, cache, *, start: int, prefill: bool, images: list | None = None) -> int:
+    """Run the encoder on the uncached tokens of ``ids`` (the prefill call also
+    takes the prompt's images, as ``generate`` passes them); returns the new length."""
     import torch
 
     L = model.config.canvas_length
@@ -284,11 +323,14 @@ def _encode(model, ids, cache, *, start: int, prefill: bool) -> int:
         raise DlmError("a committed canvas must be exactly canvas_length tokens")
     positions = torch.arange(start, total, dtype=torch.int32)[None]
     attention = torch.ones((1, total), dtype=torch.bool)
+    extra = torch_image_kwargs(model, ids, images) if prefill and images else {}
+    mm = {"mm_token_type_ids": extra["mm_token_type_ids"]} if extra else {}
     unprocessed, masks = model._prepare_encoder_inputs(
         input_ids=ids, attention_mask=attention, encoder_position_ids=positions, cache=cache,
-        is_prefill=prefill, canvas_length=L, batch_size=1,
+        is_prefill=prefill, canvas_length=L, batch_size=1, **mm,
     )
-    model.model.encoder(input_ids=unprocessed, attention_mask=masks, cache=cache, position_ids=positions)
+    model.model.encoder(input_ids=unprocessed, attention_mask=masks, cache=cache, position_ids=positions,
+                        **extra)
     return total
 
 
@@ -396,14 +438,16 @@ class _CanvasStreamer:
         pass
 
 
-def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dict) -> CommitStream:
-    """transformers' own ``generate`` under the debug canvas, with a per-step trace."""
+def reference_commit_stream(ref: Reference, prompt, settings: dict) -> CommitStream:
+    """transformers' own ``generate`` under the debug canvas, with a per-step
+    trace. ``prompt``: token ids, or a PromptInputs (its images go to generate)."""
     import torch
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
         DiffusionGemmaGenerationConfig,
     )
 
     model = ref.model
+    prompt_ids, images = split_prompt(prompt)
     L, V = _canvas_length(ref.config), _vocab(ref.config)
     gen = DiffusionGemmaGenerationConfig(
         max_new_tokens=settings["max_new_tokens"],
@@ -430,9 +474,10 @@ def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dic
 
     model.forward = forward
     try:
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
         with torch.no_grad(), debug_canvas_rng(V, L):
-            model.generate(torch.tensor([prompt_ids], dtype=torch.long), generation_config=gen,
-                           streamer=streamer)
+            model.generate(ids, generation_config=gen, streamer=streamer,
+                           **torch_image_kwargs(model, ids, images))
     finally:
         if shadowed is not None:
             model.forward = shadowed
@@ -476,7 +521,7 @@ def mlx_logits(loaded, case: LogitCase) -> np.ndarray:
     model = loaded.model
     V = _vocab(loaded.config)
     cache = model.make_cache()
-    model.prefill(case.prompt_ids, cache)
+    mlx_prefill(loaded, case.prompt_ids, cache, case.images)
     offset = len(case.prompt_ids)
     if "committed" in case.arrays:
         committed = np.asarray(case.arrays["committed"], np.int32)
@@ -489,9 +534,10 @@ def mlx_logits(loaded, case: LogitCase) -> np.ndarray:
     return np.array(logits[0].astype(mx.float32))
 
 
-def mlx_commit_stream(loaded, prompt_ids: list[int], settings: dict) -> CommitStream:
+def mlx_commit_stream(loaded, prompt, settings: dict) -> CommitStream:
     """The runtime's own generation loop (``dlm.runtime.api.stream_generate``)
-    with the debug canvas, full-length canvases and a per-step trace."""
+    with the debug canvas, full-length canvases and a per-step trace.
+    ``prompt``: token ids, or a PromptInputs (with images)."""
     import mlx.core as mx
 
     from dlm.runtime import api
@@ -505,6 +551,7 @@ def mlx_commit_stream(loaded, prompt_ids: list[int], settings: dict) -> CommitSt
         "diffusion_max_canvas_length": L,
     }
     recorders: list[TraceRecorder] = []
+    prompt_ids, _ = split_prompt(prompt)
 
     def on_step(index, logits, argmax):
         if index == 0:
@@ -513,7 +560,7 @@ def mlx_commit_stream(loaded, prompt_ids: list[int], settings: dict) -> CommitSt
 
     committed: list[list[int]] = []
     finish = None
-    for event in api.stream_generate(loaded, prompt_ids, options, on_step=on_step):
+    for event in api.stream_generate(loaded, prompt, options, on_step=on_step):
         if event.done:
             finish = event.finish_reason
         else:
