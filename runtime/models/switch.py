@@ -9,8 +9,11 @@ its output back to the activation dtype.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ...quantize.modes import mode_defaults
 
@@ -27,6 +30,12 @@ class SwitchLinear(nn.Module):
         xd = x.astype(w.dtype) if x.dtype != w.dtype else x
         y = mx.gather_mm(xd, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         return y.astype(x.dtype)
+
+    def dense(self, expert: int, x: mx.array) -> mx.array:
+        """``x`` [rows, in] through one expert's weight (one dense matmul)."""
+        w = self["weight"][expert]
+        xd = x.astype(w.dtype) if x.dtype != w.dtype else x
+        return (xd @ w.T).astype(x.dtype)
 
     def to_quantized(self, group_size: int = None, bits: int = None, mode: str = "affine", **_):
         return QuantizedSwitchLinear.from_float(self, group_size, bits, mode)
@@ -55,6 +64,37 @@ class QuantizedSwitchLinear(nn.Module):
             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
             sorted_indices=sorted_indices,
         )
+
+
+def grouped_on_cpu(*layers) -> bool:
+    """Whether experts run grouped (one dense matmul per expert, see
+    ``by_expert``) rather than through gather_mm: on the CPU backend with float
+    weights, where MLX's gather_mm runs at about half the speed of its dense
+    matmul (scripts/bench_experts.py). On Metal/CUDA gather_mm is the fast path
+    and stays inside the compiled graphs. DLM_CPU_EXPERTS=gather keeps gather_mm
+    on the CPU too (benchmarks)."""
+    if os.environ.get("DLM_CPU_EXPERTS", "").strip().lower() == "gather":
+        return False
+    return mx.default_device() == mx.cpu and all(isinstance(layer, SwitchLinear) for layer in layers)
+
+
+def by_expert(x: mx.array, idx: mx.array, num_experts: int, expert_fn) -> mx.array:
+    """Route each token copy to its expert: ``x`` [N, in], ``idx`` [N, K] ->
+    [N, K, out], with ``expert_fn(e, rows)`` applied to all rows routed to
+    expert ``e`` at once. Reads the per-expert counts on the host (one sync
+    per call), so it runs outside mx.compile."""
+    N, K = idx.shape
+    flat = idx.reshape(-1)
+    order = mx.argsort(flat)
+    counts = np.bincount(np.array(flat), minlength=num_experts)
+    rows = x[order // K]
+    outs, start = [], 0
+    for expert in np.flatnonzero(counts):
+        c = int(counts[expert])
+        outs.append(expert_fn(int(expert), rows[start : start + c]))
+        start += c
+    y = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+    return y[mx.argsort(order)].reshape(N, K, -1)
 
 
 def cpu_float32_experts(model) -> None:

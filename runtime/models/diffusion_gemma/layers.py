@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...errors import ConfigError
-from ..switch import SwitchLinear
+from ..switch import SwitchLinear, by_expert, grouped_on_cpu
 from .config import SLIDING, ModelArgs
 
 
@@ -269,10 +269,21 @@ class Experts(nn.Module):
         self.gate_up_proj = SwitchLinear(H, 2 * M, E)  # gate rows [:M], up rows [M:]
         self.down_proj = SwitchLinear(M, H, E)
 
+    @property
+    def grouped(self) -> bool:
+        """One dense matmul per expert (CPU backend, float weights; outside mx.compile)."""
+        return grouped_on_cpu(self.gate_up_proj, self.down_proj)
+
+    def _expert(self, e: int, rows: mx.array) -> mx.array:
+        h = self.gate_up_proj.dense(e, rows)
+        return self.down_proj.dense(e, geglu(h[:, : self.inter], h[:, self.inter :]))
+
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
         N, K = idx.shape
         M = self.inter
-        if idx.size >= 64:
+        if self.grouped:
+            y = by_expert(x, idx, self.gate_up_proj["weight"].shape[0], self._expert)
+        elif idx.size >= 64:
             # Sort token copies by expert so gather_mm reads each expert once.
             flat = idx.flatten()
             order = mx.argsort(flat)
@@ -314,24 +325,37 @@ class DecoderLayer(nn.Module):
     def _project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(self.input_layernorm(x), offset)
 
-    def _finish(self, x: mx.array, attn: mx.array, scalar: mx.array) -> mx.array:
+    def _mix(self, x: mx.array, attn: mx.array):
+        """Everything before the routed experts: the residual h, the dense MLP
+        branch, the experts' input and the routing."""
         h = x + self.post_attention_layernorm(self.self_attn.output(attn))
         m1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         flat = h.reshape(-1, h.shape[-1])
         weights, idx = self.router(flat)  # routed on the raw residual
-        m2 = self.experts(self.pre_feedforward_layernorm_2(flat), idx, weights).reshape(h.shape)
-        m2 = self.post_feedforward_layernorm_2(m2)
+        return h, m1, self.pre_feedforward_layernorm_2(flat), weights, idx
+
+    def _combine(self, h: mx.array, m1: mx.array, m2: mx.array, scalar: mx.array) -> mx.array:
+        m2 = self.post_feedforward_layernorm_2(m2.reshape(h.shape))
         out = h + self.post_feedforward_layernorm(m1 + m2)
         return out * scalar.astype(out.dtype)
 
+    def _finish(self, x: mx.array, attn: mx.array, scalar: mx.array) -> mx.array:
+        h, m1, xe, weights, idx = self._mix(x, attn)
+        return self._combine(h, m1, self.experts(xe, idx, weights), scalar)
+
     def compiled(self):
-        """(project, finish) fused with mx.compile: the denoiser calls them with the
-        same shapes every step, so each traces once per canvas length. The cache
-        concat + attention between them stay eager (their shapes grow)."""
+        """The fixed-shape pieces fused with mx.compile: the denoiser calls them with
+        the same shapes every step, so each traces once per canvas length. The cache
+        concat + attention stay eager (their shapes grow), and so do grouped experts
+        (they read per-expert counts on the host): (project, finish) or, with
+        grouped experts, (project, (mix, combine))."""
         if self._compiled is None:
             state = self.state  # the module's arrays (weights, RoPE periods) as implicit inputs
-            fns = (mx.compile(self._project, inputs=state), mx.compile(self._finish, inputs=state))
-            object.__setattr__(self, "_compiled", fns)  # a plain attribute, not a child
+            if self.experts.grouped:
+                rest = (mx.compile(self._mix, inputs=state), mx.compile(self._combine, inputs=state))
+            else:
+                rest = mx.compile(self._finish, inputs=state)
+            object.__setattr__(self, "_compiled", (mx.compile(self._project, inputs=state), rest))
         return self._compiled
 
     def __call__(
@@ -348,7 +372,12 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
         if attention_only:
             return None
-        return finish(x, attn, self["layer_scalar"] if layer_scalar is None else layer_scalar)
+        scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
+        if isinstance(finish, tuple):  # compiled around eager grouped experts
+            mix, combine = finish
+            h, m1, xe, weights, idx = mix(x, attn)
+            return combine(h, m1, self.experts(xe, idx, weights), scalar)
+        return finish(x, attn, scalar)
 
 
 class SelfConditioning(nn.Module):

@@ -1,0 +1,140 @@
+"""Routed experts on the MLX CPU backend: gather_mm vs one dense matmul per
+expert (dlm's CPU default), at the released DiffusionGemma expert shape (not a test).
+
+Two measurements, each side by side in one process with the two kernels
+interleaved (DLM_CPU_EXPERTS=gather switches dlm back to gather_mm):
+
+* kernel: one ``Experts`` call, 128 experts top-8, hidden 2816 -> 704, on the
+  token copies of one 256-token canvas, float32 (random weights);
+* step: one DiffusionGemma decoder pass (canvas 256 over a 64-token prefix) of
+  a model with the released text geometry but ``--layers`` layers and a
+  ``--vocab`` vocabulary (random weights; the full vocabulary's head is timed
+  by scripts/bench_runtime.py).
+
+    .venv/bin/python -m scripts.bench_experts [--repeats 5] [--layers 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RELEASED = dict(
+    model_type="diffusion_gemma_text", hidden_size=2816, intermediate_size=2112, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+    sliding_window=1024, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+    max_position_embeddings=262144, canvas_length=256,
+)
+
+
+def timed(fn, mode: str) -> float:
+    import mlx.core as mx
+
+    os.environ["DLM_CPU_EXPERTS"] = mode
+    start = time.perf_counter()
+    mx.eval(fn())
+    return time.perf_counter() - start
+
+
+def random_params(module, seed: int = 0):
+    """Random weights at a sane scale for every float parameter of ``module``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    mx.random.seed(seed)
+    params = []
+    for name, value in tree_flatten(module.parameters()):
+        if name.endswith(("norm.weight", "scale", "layer_scalar")):
+            params.append((name, mx.ones(value.shape) + 0.1 * mx.random.normal(value.shape)))
+        else:
+            params.append((name, 0.02 * mx.random.normal(value.shape)))
+    module.load_weights(params)
+    mx.eval(module.parameters())
+
+
+def bench(name: str, fn, repeats: int) -> dict:
+    fn("grouped")  # warm-up (traces the compiled pieces of each path once)
+    fn("gather")
+    runs = {"gather": [], "grouped": []}
+    for _ in range(repeats):
+        for mode in runs:
+            runs[mode].append(fn(mode))
+    row = {mode: {"median_s": statistics.median(t), "range_s": [min(t), max(t)]} for mode, t in runs.items()}
+    row["speedup"] = row["gather"]["median_s"] / row["grouped"]["median_s"]
+    g, d = row["gather"], row["grouped"]
+    print(f"{name:7s} gather {1e3 * g['median_s']:8.1f} ms [{1e3 * g['range_s'][0]:.0f}-{1e3 * g['range_s'][1]:.0f}]"
+          f" | grouped {1e3 * d['median_s']:8.1f} ms [{1e3 * d['range_s'][0]:.0f}-{1e3 * d['range_s'][1]:.0f}]"
+          f" | grouped/gather {row['speedup']:.2f}x", flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from dlm.runtime import blas  # first: loads the optimized BLAS ahead of MLX
+
+    import mlx.core as mx
+    import numpy as np
+
+    from dlm.runtime.models.diffusion_gemma import Model, ModelArgs
+    from dlm.runtime.models.diffusion_gemma.layers import Experts
+
+    mx.set_default_device(mx.cpu)
+    args = ModelArgs.from_config(dict(RELEASED, num_hidden_layers=a.layers, vocab_size=a.vocab))
+    results = {}
+
+    experts = Experts(args)
+    random_params(experts)
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((256, args.hidden_size)).astype(np.float32))
+    idx = mx.array(np.argsort(-rng.standard_normal((256, args.num_experts)), axis=1)[:, :8].astype(np.int32))
+    w = mx.softmax(mx.array(rng.standard_normal((256, 8)).astype(np.float32)), axis=-1)
+    os.environ["DLM_CPU_EXPERTS"] = "gather"
+    a_out = experts(x, idx, w)
+    os.environ["DLM_CPU_EXPERTS"] = ""
+    b_out = experts(x, idx, w)
+    diff = float(mx.abs(a_out - b_out).max())
+    print(f"kernel: max |gather - grouped| = {diff:.2e}")
+    results["kernel"] = bench("kernel", lambda mode: timed(lambda: experts(x, idx, w), mode), a.repeats)
+    results["kernel"]["max_abs_diff"] = diff
+    del experts
+
+    model = Model(args)
+    random_params(model)
+    cache = model.make_cache()
+    model.prefill(list(range(3, 67)), cache)
+    canvas = mx.array(np.arange(256, dtype=np.int32) % a.vocab)
+
+    pieces = {}  # each path keeps its own compiled pieces (traced once, in the warm-up)
+    for mode in ("gather", "grouped"):
+        os.environ["DLM_CPU_EXPERTS"] = mode
+        for layer in model.layers:
+            object.__setattr__(layer, "_compiled", None)
+        pieces[mode] = [layer.compiled() for layer in model.layers]
+
+    def step(mode):
+        for layer, compiled in zip(model.layers, pieces[mode]):
+            object.__setattr__(layer, "_compiled", compiled)
+        return timed(lambda: model.decode(canvas, cache), mode)
+
+    results["step"] = bench(f"step x{a.layers}", step, a.repeats)
+    command = " ".join([Path(sys.executable).name, "-m", __spec__.name] + sys.argv[1:])
+    meta = {"command": command, "mlx": mx.__version__, "blas": blas.STATUS, "layers": a.layers,
+            "vocab": a.vocab, "repeats": a.repeats}
+    print(json.dumps(meta))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
