@@ -66,16 +66,27 @@ class QuantizedSwitchLinear(nn.Module):
         )
 
 
-def grouped_on_cpu(*layers) -> bool:
-    """Whether experts run grouped (one dense matmul per expert, see
-    ``by_expert``) rather than through gather_mm: on the CPU backend with float
-    weights, where MLX's gather_mm runs at about half the speed of its dense
-    matmul (scripts/bench_experts.py). On Metal/CUDA gather_mm is the fast path
-    and stays inside the compiled graphs. DLM_CPU_EXPERTS=gather keeps gather_mm
-    on the CPU too (benchmarks)."""
+# Grouping pays off from about this many token copies per expert (scripts/bench_experts.py
+# and its LLaDA-2 shapes: 1-2 rows per expert 0.4-0.6x, 8 rows 1.6x, 16 rows 2.5x).
+GROUPED_MIN_ROWS_PER_EXPERT = 6
+
+
+def cpu_float_experts(*layers) -> bool:
+    """Float experts on the CPU backend: they run eagerly (outside mx.compile),
+    grouped when ``grouped`` says so. DLM_CPU_EXPERTS=gather: gather_mm always
+    (benchmarks)."""
     if os.environ.get("DLM_CPU_EXPERTS", "").strip().lower() == "gather":
         return False
     return mx.default_device() == mx.cpu and all(isinstance(layer, SwitchLinear) for layer in layers)
+
+
+def grouped(rows: int, num_experts: int, *layers) -> bool:
+    """Whether ``rows`` token copies run grouped (one dense matmul per expert,
+    ``by_expert``) rather than through gather_mm: float experts on the CPU
+    backend, where MLX's gather_mm runs at about half its dense matmul's speed,
+    with enough rows per expert for the per-expert matmuls to pay. On
+    Metal/CUDA gather_mm is the fast path and stays inside the compiled graphs."""
+    return cpu_float_experts(*layers) and rows >= GROUPED_MIN_ROWS_PER_EXPERT * num_experts
 
 
 def by_expert(x: mx.array, idx: mx.array, num_experts: int, expert_fn) -> mx.array:

@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...errors import ConfigError
-from ..switch import SwitchLinear, by_expert, grouped_on_cpu
+from ..switch import SwitchLinear, by_expert, cpu_float_experts, grouped
 from .config import SLIDING, ModelArgs
 
 
@@ -270,9 +270,9 @@ class Experts(nn.Module):
         self.down_proj = SwitchLinear(M, H, E)
 
     @property
-    def grouped(self) -> bool:
-        """One dense matmul per expert (CPU backend, float weights; outside mx.compile)."""
-        return grouped_on_cpu(self.gate_up_proj, self.down_proj)
+    def eager(self) -> bool:
+        """Float experts on the CPU backend run outside mx.compile (grouped per call)."""
+        return cpu_float_experts(self.gate_up_proj, self.down_proj)
 
     def _expert(self, e: int, rows: mx.array) -> mx.array:
         h = self.gate_up_proj.dense(e, rows)
@@ -281,8 +281,9 @@ class Experts(nn.Module):
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
         N, K = idx.shape
         M = self.inter
-        if self.grouped:
-            y = by_expert(x, idx, self.gate_up_proj["weight"].shape[0], self._expert)
+        E = self.gate_up_proj["weight"].shape[0]
+        if grouped(idx.size, E, self.gate_up_proj, self.down_proj):
+            y = by_expert(x, idx, E, self._expert)
         elif idx.size >= 64:
             # Sort token copies by expert so gather_mm reads each expert once.
             flat = idx.flatten()
@@ -346,12 +347,12 @@ class DecoderLayer(nn.Module):
     def compiled(self):
         """The fixed-shape pieces fused with mx.compile: the denoiser calls them with
         the same shapes every step, so each traces once per canvas length. The cache
-        concat + attention stay eager (their shapes grow), and so do grouped experts
-        (they read per-expert counts on the host): (project, finish) or, with
-        grouped experts, (project, (mix, combine))."""
+        concat + attention stay eager (their shapes grow), and so do CPU float
+        experts (grouped ones read per-expert counts on the host): (project,
+        finish) or, with eager experts, (project, (mix, combine))."""
         if self._compiled is None:
             state = self.state  # the module's arrays (weights, RoPE periods) as implicit inputs
-            if self.experts.grouped:
+            if self.experts.eager:
                 rest = (mx.compile(self._mix, inputs=state), mx.compile(self._combine, inputs=state))
             else:
                 rest = mx.compile(self._finish, inputs=state)
@@ -373,7 +374,7 @@ class DecoderLayer(nn.Module):
         if attention_only:
             return None
         scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
-        if isinstance(finish, tuple):  # compiled around eager grouped experts
+        if isinstance(finish, tuple):  # compiled around eager experts
             mix, combine = finish
             h, m1, xe, weights, idx = mix(x, attn)
             return combine(h, m1, self.experts(xe, idx, weights), scalar)

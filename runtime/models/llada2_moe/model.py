@@ -11,7 +11,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..switch import SwitchLinear
+from ..switch import SwitchLinear, by_expert, grouped
 from .config import ModelArgs
 from .weights import sanitize
 
@@ -25,9 +25,15 @@ class SwitchGLU(nn.Module):
         self.up_proj = SwitchLinear(hidden, inter, num_experts)
         self.down_proj = SwitchLinear(inter, hidden, num_experts)
 
+    def _expert(self, e: int, rows):
+        return self.down_proj.dense(e, nn.silu(self.gate_proj.dense(e, rows)) * self.up_proj.dense(e, rows))
+
     def __call__(self, x, indices):
         """x [T, H], indices [T, k] -> [T, k, H]."""
         T, k = indices.shape
+        E = self.gate_proj["weight"].shape[0]
+        if grouped(T * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one matmul per expert
+            return by_expert(x, indices, E, self._expert)
         if T * k >= 64:
             # Sort (token, slot) pairs by expert so each expert's rows are contiguous.
             flat = indices.reshape(-1)
@@ -239,16 +245,20 @@ class Model(nn.Module):
     def make_cache(self, capacity: int) -> list[CommittedKVCache]:
         return [CommittedKVCache(capacity) for _ in self.model.layers]
 
-    def __call__(self, inputs, cache=None, mask=None, last: Optional[int] = None):
+    def __call__(self, inputs, cache=None, mask=None, last: Optional[int] = None,
+                 collect: Optional[list] = None):
         """float32 logits of ``inputs`` [B, L] (the last ``last`` positions only).
 
         ``mask``: None (bidirectional), or a boolean/additive array over
-        [L, cached + L]. Positions start at the cache offset.
+        [L, cached + L]. Positions start at the cache offset. ``collect``: a
+        list that gets each layer's output (dlm-verify's per-layer diagnostic).
         """
         h = self.model.word_embeddings(inputs)
         offset = cache[0].offset if cache else 0
         for i, layer in enumerate(self.model.layers):
             h = layer(h, offset, mask, cache[i] if cache else None)
+            if collect is not None:
+                collect.append(h)
         if last is not None:
             h = h[:, -last:]
         h = self.model.norm(h)
