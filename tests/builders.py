@@ -664,3 +664,30 @@ FAMILY_KITS = {
     ),
     "llada2_moe": FamilyKit(build=lambda out: build_llada2(out), config_forms=llada2_config_forms),
 }
+
+
+def mutate(good: Path, out: Path, edit) -> Path:
+    """Copy a conversion and rewrite its safetensors through ``edit(tensors)`` (mutation tests)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(good, out)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        edit(tensors)
+        save_file(tensors, str(f), metadata={"format": "mlx"})
+    return out
+
+
+# A dlm-verify run in a process where torch cannot be imported (bundle comparisons).
+NO_TORCH_VERIFY = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is not installed here")
+sys.meta_path.insert(0, Block())
+from dlm.verify.cli import main
+main()
+"""

@@ -5,7 +5,6 @@ CLI, report and model card."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from dlm.verify import bundle as B  # noqa: E402
 from dlm.verify.suite import Options, record, run_parity  # noqa: E402
-from tests.builders import FAST_VERIFY, TINY_DRIFT, convert_dir, record_bundle, verify_options  # noqa: E402
+from tests.builders import FAST_VERIFY, NO_TORCH_VERIFY, TINY_DRIFT, convert_dir, record_bundle, verify_options  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -164,16 +163,6 @@ def test_cli_report_and_model_card(conversions, reference_bundle, tmp_path):
     assert (model / "README.md").read_text().count("<!-- dlm-verify:begin -->") == 1
 
 
-_NO_TORCH = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is not installed here")
-sys.meta_path.insert(0, Block())
-from dlm.verify.cli import main
-main()
-"""
 
 
 def test_bundle_compare_on_a_machine_without_torch(conversions, tiny_dg_dir, tmp_path):
@@ -194,7 +183,7 @@ def test_bundle_compare_on_a_machine_without_torch(conversions, tiny_dg_dir, tmp
     thresholds = tmp_path / "t.json"
     thresholds.write_text(json.dumps(TINY_DRIFT))
     script = tmp_path / "no_torch.py"
-    script.write_text(_NO_TORCH)
+    script.write_text(NO_TORCH_VERIFY)
     out = subprocess.run(
         [sys.executable, str(script), "--parity", str(conversions["q4"]), "--bundle", str(bundle),
          "--thresholds", str(thresholds), "--report", str(tmp_path / "r.json"), "--quiet"],

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from dlm.verify import bundle as B  # noqa: E402
 from dlm.verify.images import BUILTIN_IMAGES, builtin_image  # noqa: E402
 from dlm.verify.suite import run_parity  # noqa: E402
-from tests.builders import convert_dir, record_bundle, verify_options  # noqa: E402
+from tests.builders import NO_TORCH_VERIFY, convert_dir, mutate, record_bundle, verify_options  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,16 +49,6 @@ def image_rows(report) -> dict:
     return {k: v for k, v in statuses(report).items() if k.startswith("image.")}
 
 
-def mutate(good: Path, out: Path, edit) -> Path:
-    """Copy a conversion and rewrite its safetensors through ``edit(tensors)``."""
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(good, out)
-    for f in sorted(out.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        edit(tensors)
-        save_file(tensors, str(f), metadata={"format": "mlx"})
-    return out
 
 
 def test_vision_model_passes_live_with_image_rows(live):
@@ -245,16 +235,6 @@ def test_image_hooks_are_all_or_none():
     assert not has_image_hooks(llada)
 
 
-_NO_TORCH = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is not installed here")
-sys.meta_path.insert(0, Block())
-from dlm.verify.cli import main
-main()
-"""
 
 
 def test_recorded_image_rows_compare_without_torch(tiny_dg_vision_dir, tiny_dg_vision_mlx_dir, tmp_path):
@@ -274,7 +254,7 @@ def test_recorded_image_rows_compare_without_torch(tiny_dg_vision_dir, tiny_dg_v
     assert r.exit_code == 0, r.output
     assert "images: 3 built-in images, 5 image logit cases, 1 image commit streams" in r.output
     script = tmp_path / "no_torch.py"
-    script.write_text(_NO_TORCH)
+    script.write_text(NO_TORCH_VERIFY)
     out = subprocess.run(
         [sys.executable, str(script), "--parity", str(tiny_dg_vision_mlx_dir), "--bundle", str(bundle),
          "--report", str(tmp_path / "r.json"), "--quiet"],

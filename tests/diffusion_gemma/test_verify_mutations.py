@@ -9,8 +9,6 @@ frequency off, monkeypatched into the MLX model) fails ``implementation``.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dlm.verify.suite import run_parity  # noqa: E402
-from tests.builders import convert_dir, record_bundle, verify_options  # noqa: E402
+from tests.builders import convert_dir, mutate, record_bundle, verify_options  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,16 +34,6 @@ def bundle(tiny_dg_dir, tmp_path_factory):
                          builtin_prompts=True, long_prompt=False)
 
 
-def mutate(good: Path, out: Path, edit) -> Path:
-    """Copy a conversion and rewrite its safetensors through ``edit(tensors)``."""
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(good, out)
-    for f in sorted(out.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        edit(tensors)
-        save_file(tensors, str(f), metadata={"format": "mlx"})
-    return out
 
 
 def layers(tensors: dict, suffix: str) -> list[str]:
