@@ -31,16 +31,23 @@ def _both(monkeypatch, fn):
     return np.array(fn()), want
 
 
+@pytest.fixture
+def small_experts_grouped(monkeypatch):
+    """The tiny test experts take the grouped path (its size floor is for speed, not correctness)."""
+    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
+
+
 def test_policy(monkeypatch):
-    layer = switch.SwitchLinear(8, 8, 4)
+    layer = switch.SwitchLinear(1024, 1024, 4)
     assert switch.grouped(6 * 4, 4, layer) == (mx.default_device() == mx.cpu)
     assert not switch.grouped(6 * 4 - 1, 4, layer)
+    assert not switch.grouped(10_000, 4, switch.SwitchLinear(256, 256, 4))  # small: one fused gather_mm
     monkeypatch.setenv("DLM_CPU_EXPERTS", "gather")
     assert not switch.grouped(10_000, 4, layer)
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")
-def test_diffusion_gemma_experts_grouped_equal_gather(monkeypatch):
+def test_diffusion_gemma_experts_grouped_equal_gather(monkeypatch, small_experts_grouped):
     from dlm.runtime.models.diffusion_gemma import ModelArgs
     from dlm.runtime.models.diffusion_gemma.layers import Experts
     from tests.builders import DG_TEXT
@@ -57,7 +64,7 @@ def test_diffusion_gemma_experts_grouped_equal_gather(monkeypatch):
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")
-def test_llada2_switch_glu_grouped_equal_gather(monkeypatch):
+def test_llada2_switch_glu_grouped_equal_gather(monkeypatch, small_experts_grouped):
     from dlm.runtime.models.llada2_moe.model import SwitchGLU
 
     glu = SwitchGLU(32, 16, 8)
@@ -70,15 +77,18 @@ def test_llada2_switch_glu_grouped_equal_gather(monkeypatch):
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")
-def test_decoder_pass_grouped_equal_gather(monkeypatch, tiny_dg_mlx_dir):
+def test_decoder_pass_grouped_equal_gather(monkeypatch, tiny_dg_mlx_dir, small_experts_grouped):
     """A whole compiled decoder pass whose experts run grouped (canvas 64 x top-2 over 4 experts)."""
     from dlm.runtime import api
 
     def logits():
         loaded = api.load(tiny_dg_mlx_dir)  # a fresh model: compiled pieces follow the policy
+        experts = loaded.model.layers[0].experts
+        assert switch.grouped(64 * 2, 4, experts.gate_up_proj, experts.down_proj) == experts.eager
         cache = loaded.model.make_cache()
         loaded.model.prefill(list(range(3, 40)), cache)
         return loaded.model.decode(mx.array(np.arange(64, dtype=np.int32) % 300 + 3), cache)
 
     got, want = _both(monkeypatch, logits)
     assert np.abs(got - want).max() < 1e-4
+    assert switch.cpu_float_experts(switch.SwitchLinear(8, 8, 4))  # the default run was grouped

@@ -67,17 +67,21 @@ class QuantizedSwitchLinear(nn.Module):
 
 
 # Grouping pays off from about this many token copies per expert (scripts/bench_experts.py
-# and its LLaDA-2 shapes: 1-2 rows per expert 0.4-0.6x, 8 rows 1.6x, 16 rows 2.5x).
+# and its LLaDA-2 shapes: 1-2 rows per expert 0.4-0.6x, 8 rows 1.6x, 16 rows 2.5x) and
+# for experts this large (in x out; small experts are cheaper fused in one gather_mm graph).
 GROUPED_MIN_ROWS_PER_EXPERT = 6
+GROUPED_MIN_WEIGHT = 1 << 20
 
 
 def cpu_float_experts(*layers) -> bool:
-    """Float experts on the CPU backend: they run eagerly (outside mx.compile),
-    grouped when ``grouped`` says so. DLM_CPU_EXPERTS=gather: gather_mm always
-    (benchmarks)."""
+    """Large float experts on the CPU backend: they run eagerly (outside
+    mx.compile), grouped when ``grouped`` says so. DLM_CPU_EXPERTS=gather:
+    gather_mm always (benchmarks)."""
     if os.environ.get("DLM_CPU_EXPERTS", "").strip().lower() == "gather":
         return False
-    return mx.default_device() == mx.cpu and all(isinstance(layer, SwitchLinear) for layer in layers)
+    return (mx.default_device() == mx.cpu
+            and all(isinstance(layer, SwitchLinear) for layer in layers)
+            and min(layer["weight"][0].size for layer in layers) >= GROUPED_MIN_WEIGHT)
 
 
 def grouped(rows: int, num_experts: int, *layers) -> bool:
