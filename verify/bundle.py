@@ -20,7 +20,9 @@ A bundle is a directory:
   ``image/<name>/position_ids``: exactly what both vision towers see), image
   case inputs (``image_case/<name>/<key>``) and, per run, vision features
   (``features/<name>``), image logits (``image_logits/<name>``) and image
-  stream traces (``image_stream/<i>/<block>/<field>``).
+  stream traces (``image_stream/<i>/<block>/<field>``). Per-layer hidden
+  states of the diagnostic cases: ``hidden/<case>/<stack>/<layer>`` (listed
+  per run under ``hidden``; a bundle without them still loads).
 
 Written to a temporary sibling directory and renamed at the end, so a failed
 record leaves nothing half-written.
@@ -33,6 +35,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Optional
 
 import numpy as np
@@ -44,6 +47,7 @@ from dlm.runtime.inputs import ImageInput
 from .images import ImagePrompt, ImageSet
 from .protocol import BlockTrace, CommitStream, LogitCase
 from .report import umask_mode
+from .store import SafetensorsArrays, View, write_safetensors
 
 FORMAT = "dlm-verify-bundle"
 VERSION = 1
@@ -60,6 +64,8 @@ class ReferenceRun:
     features: dict[str, np.ndarray] = field(default_factory=dict)
     image_logits: dict[str, np.ndarray] = field(default_factory=dict)
     image_streams: list[CommitStream] = field(default_factory=list)
+    # Per-layer diagnostic: {case: {stack: [float32 [positions, hidden] per layer]}}.
+    hidden: dict[str, dict[str, list]] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,25 +103,75 @@ def _put_streams(arrays: dict, prefix: str, streams: list[CommitStream]) -> list
 
 
 def _put_run(arrays: dict, prefix: str, run: ReferenceRun) -> dict:
-    for name, value in run.logits.items():
-        arrays[f"{prefix}logits/{name}"] = np.ascontiguousarray(value, np.float32)
+    for name in run.logits:  # read one at a time when written (logits may be on disk)
+        arrays[f"{prefix}logits/{name}"] = _Deferred(run.logits, name)
     doc = {"meta": run.meta, "streams": _put_streams(arrays, f"{prefix}stream", run.streams),
            "cases": sorted(run.logits)}
     if run.features or run.image_logits or run.image_streams:
         for name, value in run.features.items():
             arrays[f"{prefix}features/{name}"] = np.ascontiguousarray(value, np.float32)
-        for name, value in run.image_logits.items():
-            arrays[f"{prefix}image_logits/{name}"] = np.ascontiguousarray(value, np.float32)
+        for name in run.image_logits:
+            arrays[f"{prefix}image_logits/{name}"] = _Deferred(run.image_logits, name)
         doc["features"] = sorted(run.features)
         doc["image_cases"] = sorted(run.image_logits)
         doc["image_streams"] = _put_streams(arrays, f"{prefix}image_stream", run.image_streams)
+    if run.hidden:
+        doc["hidden"] = {}
+        for case, stacks in run.hidden.items():
+            doc["hidden"][case] = {}
+            for stack, layers in stacks.items():
+                doc["hidden"][case][stack] = [i for i, v in enumerate(layers) if v is not None]
+                for i, value in enumerate(layers):
+                    if value is not None:
+                        arrays[f"{prefix}hidden/{case}/{stack}/{i}"] = np.ascontiguousarray(value, np.float32)
     return doc
 
 
-def _array(arrays: dict, key: str) -> np.ndarray:
+def _array(arrays, key: str) -> np.ndarray:
     if key not in arrays:
         raise ConfigError(f"bundle is missing array {key}")
     return arrays[key]
+
+
+def _lazy(arrays, prefix: str, names: list[str]) -> View:
+    """Logits by case name, read from the bundle when a check needs them."""
+    keys = {name: prefix + name for name in names}
+    missing = [k for k in keys.values() if k not in arrays]
+    if missing:
+        raise ConfigError(f"bundle is missing array {missing[0]}")
+    return View(arrays, keys)
+
+
+class _Deferred:
+    """An array to write later: ``source[name]`` as float32."""
+
+    def __init__(self, source, name: str):
+        self.source, self.name = source, name
+
+
+class _Arrays(Mapping):
+    """The bundle's arrays for write_safetensors, deferred ones read when written."""
+
+    def __init__(self, arrays: dict):
+        self.arrays = arrays
+
+    def __getitem__(self, key):
+        v = self.arrays[key]
+        return np.asarray(v.source[v.name], np.float32) if isinstance(v, _Deferred) else v
+
+    def __iter__(self):
+        return iter(self.arrays)
+
+    def __len__(self):
+        return len(self.arrays)
+
+    def meta(self, key) -> tuple:
+        v = self.arrays[key]
+        if isinstance(v, _Deferred):
+            src = v.source
+            shape = src.meta(v.name)[0] if hasattr(src, "meta") else np.shape(src[v.name])
+            return tuple(shape), np.dtype(np.float32)
+        return tuple(v.shape), v.dtype
 
 
 def _get_streams(arrays: dict, prefix: str, data: list, prompts: list, stream_prompts: list[int]
@@ -137,14 +193,19 @@ def _get_streams(arrays: dict, prefix: str, data: list, prompts: list, stream_pr
 def _get_run(arrays: dict, prefix: str, data: dict, prompts: list[list[int]],
              stream_prompts: list[int], images: Optional[ImageSet] = None) -> ReferenceRun:
     run = ReferenceRun(meta=data.get("meta", {}))
-    for name in data.get("cases", []):
-        run.logits[name] = _array(arrays, f"{prefix}logits/{name}")
+    run.logits = _lazy(arrays, f"{prefix}logits/", data.get("cases", []))
     run.streams = _get_streams(arrays, f"{prefix}stream", data.get("streams", []), prompts, stream_prompts)
+    for case, stacks in (data.get("hidden") or {}).items():
+        run.hidden[case] = {}
+        for stack, present in stacks.items():
+            layers = [None] * (max(present) + 1 if present else 0)
+            for i in present:
+                layers[i] = _array(arrays, f"{prefix}hidden/{case}/{stack}/{i}")
+            run.hidden[case][stack] = layers
     if images is not None:
         for name in data.get("features", []):
             run.features[name] = _array(arrays, f"{prefix}features/{name}")
-        for name in data.get("image_cases", []):
-            run.image_logits[name] = _array(arrays, f"{prefix}image_logits/{name}")
+        run.image_logits = _lazy(arrays, f"{prefix}image_logits/", data.get("image_cases", []))
         run.image_streams = _get_streams(arrays, f"{prefix}image_stream", data.get("image_streams", []),
                                          [p.ids for p in images.prompts], images.stream_prompts)
     return run
@@ -191,8 +252,6 @@ def _get_images(arrays: dict, doc: dict) -> ImageSet:
 
 
 def save(bundle: Bundle, out: Path) -> Path:
-    from safetensors.numpy import save_file
-
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "bundle.json").exists():
         raise DlmError(f"{out}: exists and is not a dlm-verify bundle; choose another -o")
@@ -221,7 +280,7 @@ def save(bundle: Bundle, out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(umask_mode(directory=True))  # mkdtemp is owner-only; bundles are shared
     try:
-        save_file(arrays, str(tmp / "arrays.safetensors"))
+        write_safetensors(tmp / "arrays.safetensors", _Arrays(arrays))
         (tmp / "bundle.json").write_text(json.dumps(doc, indent=1, default=_json_default))
         if out.exists():
             shutil.rmtree(out)
@@ -244,8 +303,6 @@ def _json_default(x):
 
 
 def load(path: Path) -> Bundle:
-    from safetensors.numpy import load_file
-
     path = Path(path)
     doc_path = path / "bundle.json"
     if not doc_path.exists():
@@ -258,10 +315,7 @@ def load(path: Path) -> Bundle:
         raise ConfigError(f"{doc_path}: not a dlm-verify bundle")
     if doc.get("version") != VERSION:
         raise ConfigError(f"{doc_path}: bundle version {doc.get('version')} (this dlm reads {VERSION})")
-    try:
-        arrays = load_file(str(path / "arrays.safetensors"))
-    except Exception as exc:
-        raise ConfigError(f"{path / 'arrays.safetensors'}: cannot read ({exc})") from None
+    arrays = SafetensorsArrays(path / "arrays.safetensors")  # read by name, on access
     prompts = [list(map(int, p)) for p in doc["prompts"]]
     cases = []
     for c in doc["cases"]:

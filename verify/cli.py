@@ -40,12 +40,17 @@ def _common(f):
         click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False),
                      help="Extra prompts: one per line, plain text or JSON {prompt|messages|ids}."),
         click.option("--no-builtin-prompts", is_flag=True, help="Use only --prompts."),
-        click.option("--canvases", type=click.IntRange(1), default=2, show_default=True,
-                     help="Canvases per commit stream."),
+        click.option("--canvases", type=click.IntRange(1), default=None,
+                     help="Canvases per commit stream [default: 2; 1 when layer-streamed]."),
         click.option("--steps", type=click.IntRange(1), default=None,
-                     help="Max denoising steps per canvas in commit streams [default: generation_config]."),
-        click.option("--stream-prompts", type=click.IntRange(0), default=2, show_default=True,
-                     help="How many prompts get a commit stream."),
+                     help="Max denoising steps per canvas in commit streams [default: generation_config; "
+                     "8 when layer-streamed]."),
+        click.option("--stream-prompts", type=click.IntRange(0), default=None,
+                     help="How many prompts get a commit stream [default: 2; 1 when layer-streamed]."),
+        click.option("--stream-layers/--no-stream-layers", default=None,
+                     help="Run the PyTorch reference layer by layer, each layer's weights read from disk "
+                     "for every forward pass (peak memory flat in depth) [default: when the reference "
+                     "would take over half the memory budget]."),
         click.option("--no-images", is_flag=True,
                      help="Skip the image rows (models with a vision tower: built-in images through the "
                      "vision tower, prompts with images, an image commit stream)."),
@@ -71,6 +76,12 @@ def _setup(torch_threads, quiet) -> bool:
     return not quiet  # a bar on a terminal, plain lines otherwise (suite._tqdm)
 
 
+def _budget(canvases, steps, stream_prompts) -> dict:
+    """The commit-stream budget options: unset ones stay "auto" (the mode's default)."""
+    given = dict(canvases=canvases, steps=steps, stream_prompts=stream_prompts)
+    return {k: ("auto" if v is None else v) for k, v in given.items()}
+
+
 def _fail(exc: Exception, code: int = 2):
     click.echo(f"error: {exc}", err=True)
     sys.exit(code)
@@ -92,11 +103,14 @@ def _fail(exc: Exception, code: int = 2):
               help='JSON overrides {check: {metric: value | [op, value] | null}} (null: informational).')
 @click.option("--no-implementation", is_flag=True,
               help="Skip the implementation-parity check (reference with the MLX weights).")
+@click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
+              help="On a commit-stream divergence, write a side-by-side HTML trace (reference | MLX, "
+                   "every denoising step, the first difference highlighted) per diverging prompt here.")
 @_common
 @click.pass_context
 def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo, thresholds, no_implementation,
-         revision, reference_dtype, prompts_file, no_builtin_prompts, canvases, steps, stream_prompts,
-         no_images, trust_remote_code, torch_threads, quiet):
+         trace_dir, revision, reference_dtype, prompts_file, no_builtin_prompts, canvases, steps, stream_prompts,
+         stream_layers, no_images, trust_remote_code, torch_threads, quiet):
     """Check a converted MLX model against its PyTorch reference (logits,
     implementation parity, quantization drift, debug-canvas commit streams;
     with a vision tower also the same on built-in images).
@@ -133,9 +147,9 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
         options = Options(
             reference=reference, revision=revision, reference_dtype=reference_dtype,
             prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, bundle=bundle,
-            canvases=canvases, steps=steps, stream_prompts=stream_prompts,
+            **_budget(canvases, steps, stream_prompts), stream_layers=stream_layers,
             implementation=not no_implementation, images=not no_images, trust_remote_code=trust_remote_code,
-            thresholds=load_overrides(thresholds), progress=progress,
+            thresholds=load_overrides(thresholds), progress=progress, trace_dir=trace_dir,
         )
         report = run_parity(Path(mlx_dir), options)
         if report_path:
@@ -173,7 +187,7 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
               "(implementation parity without torch later).")
 @_common
 def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, no_builtin_prompts,
-           canvases, steps, stream_prompts, no_images, trust_remote_code, torch_threads, quiet):
+           canvases, steps, stream_prompts, stream_layers, no_images, trust_remote_code, torch_threads, quiet):
     """Record reference logits and commit streams into a bundle (needs torch
     and the original weights; the comparison later needs neither)."""
 
@@ -194,8 +208,8 @@ def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, 
             raise DlmError("pass --reference HF_REPO_OR_DIR (or --mlx DIR whose config.json records it)")
         options = Options(
             reference=reference, revision=revision, reference_dtype=reference_dtype,
-            prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, canvases=canvases,
-            steps=steps, stream_prompts=stream_prompts, images=not no_images,
+            prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts,
+            **_budget(canvases, steps, stream_prompts), stream_layers=stream_layers, images=not no_images,
             trust_remote_code=trust_remote_code, progress=progress,
         )
         data = run_record(reference, options, Path(mlx_dir) if mlx_dir else None)

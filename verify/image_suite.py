@@ -28,6 +28,7 @@ from . import weights as W
 from .images import ImageSet, image_prompts
 from .progress import tqdm
 from .protocol import has_image_hooks
+from .store import ArrayStore, subset
 
 NO_IMAGES = "no image checks: "
 
@@ -74,12 +75,16 @@ def usable(adapter, mlx_config: dict, bundle, options) -> tuple[Optional[ImageSe
     return bundle.images, ""
 
 
-def run_reference(adapter, ref, images: ImageSet, settings: dict, run, progress: bool, label: str) -> None:
-    """Fill a ReferenceRun's image fields (features, image logits, image streams)."""
+def run_reference(adapter, ref, images: ImageSet, settings: dict, run, progress: bool, label: str,
+                  logits=None) -> None:
+    """Fill a ReferenceRun's image fields (features, image logits, image streams);
+    ``logits(case, done)``: the reference's logits of one case (default:
+    ``adapter.reference_logits``)."""
+    logits = logits or (lambda case, done: adapter.reference_logits(ref, case, done))
     for name, image in tqdm(list(images.images.items()), f"{label}: image features", progress):
         run.features[name] = adapter.reference_image_features(ref, image)
     for case in tqdm(images.cases, f"{label}: image logits", progress):
-        run.image_logits[case.name] = adapter.reference_logits(ref, case, run.image_logits)
+        run.image_logits[case.name] = logits(case, run.image_logits)
     for i in tqdm(images.stream_prompts, f"{label}: image commit streams", progress):
         run.image_streams.append(adapter.reference_commit_stream(ref, images.inputs(i), settings))
 
@@ -87,16 +92,18 @@ def run_reference(adapter, ref, images: ImageSet, settings: dict, run, progress:
 @dataclass
 class MlxImages:
     features: dict = field(default_factory=dict)
-    logits: dict = field(default_factory=dict)
+    logits: dict = field(default_factory=ArrayStore)  # on disk, read case by case
     streams: list = field(default_factory=list)
 
 
-def run_mlx(adapter, loaded, images: ImageSet, settings: dict, progress: bool) -> MlxImages:
+def run_mlx(adapter, loaded, images: ImageSet, settings: dict, progress: bool, logits=None) -> MlxImages:
+    """``logits(case)``: the MLX logits of one case (default: ``adapter.mlx_logits``)."""
+    logits = logits or (lambda case: adapter.mlx_logits(loaded, case))
     out = MlxImages()
     for name, image in tqdm(list(images.images.items()), "MLX: image features", progress):
         out.features[name] = adapter.mlx_image_features(loaded, image)
     for case in tqdm(images.cases, "MLX: image logits", progress):
-        out.logits[case.name] = adapter.mlx_logits(loaded, case)
+        out.logits[case.name] = logits(case)
     for i in tqdm(images.stream_prompts, "MLX: image commit streams", progress):
         out.streams.append(adapter.mlx_commit_stream(loaded, images.inputs(i), settings))
     return out
@@ -111,8 +118,8 @@ def vision_precision(adapter, mlx_dir: Path, config: dict, loaded, compute: str)
     return vis
 
 
-def _subset(d: dict, names: list[str]) -> dict:
-    return {n: d[n] for n in names if n in d}
+def _subset(d, names: list[str]):
+    return subset(d, names)
 
 
 def _image_title(name: str, image) -> str:

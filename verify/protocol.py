@@ -9,7 +9,7 @@ everything else (metrics, thresholds, checks, bundles, reports, CLI) is shared.
 Adapter functions (module level, in ``verify/reference_<family>.py``)
 ---------------------------------------------------------------------
 
-``load_reference(path, *, dtype="float32", weights=None, trust_remote_code=False) -> object``
+``load_reference(path, *, dtype="float32", weights=None, trust_remote_code=False, stream=False) -> object``
     Build the PyTorch reference on CPU from a local checkpoint directory
     (``path``: already resolved, see ``dlm.verify.source``) in ``dtype``
     ("float32" | "bfloat16" | "float16"). Load weights only from safetensors.
@@ -22,7 +22,12 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     checkpoint code unless ``trust_remote_code``. Raise
     ``dlm.runtime.errors.DlmError`` (or a subclass) with a clear message when
     the reference cannot be built. Returns an opaque handle that the other
-    ``reference_*`` functions receive.
+    ``reference_*`` functions receive. ``stream``: build the same reference
+    with its layers' weights streamed from disk (``dlm.verify.streaming``:
+    skeleton on the meta device, a ``LayerStreamer`` as the handle's
+    ``streamer`` attribute, whose weight source is ``weights`` when given,
+    then a source with ``read``/``shape``/``keys``, else the checkpoint); the
+    results must be the whole-model reference's, to float rounding.
 
 ``logit_cases(config, prompts, generation_config) -> list[LogitCase]``
     The fixed forward passes compared by the logits checks, for every prompt
@@ -40,10 +45,20 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     into ``case.arrays`` so that the MLX side and recorded bundles see exactly
     the same inputs; when they are already present, use them unchanged.
 
-``mlx_logits(loaded, case) -> np.ndarray``
+``mlx_logits(loaded, case, collect=None) -> np.ndarray``
     The same forward pass on the converted MLX model (``loaded``: a
     ``dlm.runtime.loader.LoadedModel``, loaded with ``tokenizer=False``:
-    prompts are token ids already), float32 ``[positions, vocab]``.
+    prompts are token ids already), float32 ``[positions, vocab]``. With
+    ``reference_layers`` (below), ``collect`` (a dict) gets ``{stack:
+    [float32 [positions, hidden] per layer]}``: each layer's output over all of
+    the case's positions (the calls concatenated), None for a layer whose
+    output the runtime does not compute.
+
+``reference_layers(ref) -> dict[str, list[torch.nn.Module]]`` (optional)
+    The reference's layer stacks, in computation order, for the per-layer
+    hidden-state diagnostic (``dlm.verify.layers``): the suite hooks their
+    outputs while ``reference_logits`` runs, and compares them with
+    ``mlx_logits(..., collect=...)``'s.
 
 ``stream_settings(config, generation_config, *, blocks, steps) -> dict``
     JSON-able settings of the deterministic generation compared by the commit

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checks import CheckResult
+from .layers import describe as describe_layers
+
+LAYER_TITLES = {"implementation": "same weights", "original": "original weights"}
 
 # Metrics shown per check kind (in order); thresholded metrics are always shown.
 SHOWN = {
@@ -66,6 +69,11 @@ class Report:
     timings: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     images: dict = field(default_factory=dict)  # image cases (image_suite.summary); {} without
+    # Per-layer hidden-state agreement (dlm.verify.layers.agreement), by
+    # comparison: "implementation" (same weights) and "original".
+    layers: dict = field(default_factory=dict)
+    # How each reference ran: "whole" or "streamed" (layer by layer), and why.
+    streaming: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -79,7 +87,7 @@ class Report:
             passed=self.passed, model=self.model, family=self.family, precision=self.precision,
             reference=self.reference, prompts=self.prompts, cases=self.cases, settings=self.settings,
             checks={c.name: c.to_dict() for c in self.checks}, images=self.images, timings=self.timings,
-            notes=self.notes,
+            layers=self.layers, streaming=self.streaming, notes=self.notes,
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         )
 
@@ -169,6 +177,12 @@ class Report:
             div = c.details.get("first_divergence") if c.kind == "commit_stream" else None
             if div:
                 lines.append(f"  first divergence: {div}")
+        for name, summary in self.layers.items():
+            lines.append(f"  layers ({LAYER_TITLES.get(name, name)}): {describe_layers(summary)}")
+        lines += [f"  {line}" for line in self.mode_lines()]
+        timing = self.timings_text()
+        if timing:
+            lines.append(f"  timings: {timing}")
         for note in self.notes:
             lines.append(f"  note: {note}")
         n = len(self.checks)
@@ -180,6 +194,64 @@ class Report:
             f"{n_skip} skipped)"
         )
         return "\n".join(lines)
+
+    def mode_lines(self) -> list[str]:
+        """How the references ran (whole or layer-streamed), one line each."""
+        out = []
+        for key, title in (("reference", "reference"), ("implementation", "same-weights reference")):
+            mode = self.streaming.get(key)
+            if not mode:
+                continue
+            why = self.streaming.get(f"{key}_reason")
+            word = "layer by layer (streamed from disk)" if mode == "streamed" else "whole in memory"
+            out.append(f"{title}: ran {word}" + (f": {why}" if why else ""))
+        return out
+
+    def timings_text(self) -> str:
+        """Seconds per phase (load, logits, streams, images) of each part."""
+        parts = []
+        for key in ("reference", "mlx", "implementation"):
+            t = self.timings.get(key)
+            if isinstance(t, dict):
+                t = t.get("recorded", t) if "bundle" in t else t
+                phases = [f"{p} {t[p]:.1f} s" for p in ("load", "logits", "streams", "images")
+                          if isinstance(t.get(p), (int, float))]
+                n = t.get("stream_forwards")
+                if n and t.get("streams"):
+                    phases.append(f"{t['streams'] / n:.2f} s/forward over {n}")
+                if phases:
+                    parts.append(f"{key} (" + ", ".join(phases) + ")")
+        if isinstance(self.timings.get("total"), (int, float)):
+            parts.append(f"total {self.timings['total']:.1f} s")
+        return "; ".join(parts)
+
+    def layers_markdown(self) -> list[str]:
+        """The per-layer hidden-state section of the card ([] without)."""
+        if not self.layers:
+            return []
+        lines = ["Per-layer hidden states (informational: which layer diverges first):", ""]
+        for name, summary in self.layers.items():
+            lines.append(f"* {LAYER_TITLES.get(name, name)}: {describe_layers(summary)}")
+        lines.append("")
+        summary = self.layers.get("implementation") or next(iter(self.layers.values()))
+        for case, c in summary.get("cases", {}).items():
+            stacks = list(c["stacks"])
+            n = max((len(r) for r in c["stacks"].values()), default=0)
+            if not n:
+                continue
+            title = LAYER_TITLES.get(next(k for k, v in self.layers.items() if v is summary), "")
+            lines.append(f"Case `{case}` ({title}): cosine min / max|Δ| per layer")
+            lines.append("")
+            lines.append("| layer | " + " | ".join(stacks) + " |")
+            lines.append("|---|" + "---|" * len(stacks))
+            for i in range(n):
+                cells = []
+                for stack in stacks:
+                    row = next((r for r in c["stacks"][stack] if r["layer"] == i), None)
+                    cells.append(f"{fmt(row['cosine_min'])} / {fmt(row['max_abs'])}" if row else "-")
+                lines.append(f"| {i} | " + " | ".join(cells) + " |")
+            lines.append("")
+        return lines
 
     # -- model card ---------------------------------------------------------
 
@@ -212,6 +284,9 @@ class Report:
             cells = [f"{c.title} (`{c.name}`)", verdict, measured, bounds]
             lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
         lines.append("")
+        lines += self.layers_markdown()
+        for line in self.mode_lines():
+            lines += [line + ".", ""]
         lines.append(
             f"Reproduce: `dlm-verify --parity <this model> --reference {src} --reference-dtype "
             f"{ref.get('dtype', 'float32')}`."

@@ -6,6 +6,13 @@ compares a converted MLX directory with a live reference or a recorded
 bundle and returns a Report. Both are family-agnostic: the family's verify
 adapter (``dlm.verify.protocol``) does the model-specific work; the image
 rows (models with a vision tower) are ``dlm.verify.image_suite``'s.
+
+Each reference runs whole in memory or layer by layer (``dlm.verify.streaming``:
+``--stream-layers``, by default when it would take over half the memory
+budget); a streamed run gets a smaller default commit-stream budget. The first
+logits case (and the first image case) also yields per-layer hidden states of
+both frameworks (``dlm.verify.layers``), and every reference records per-phase
+timings in its run's meta (saved in bundles).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from dlm.runtime.checkpoint import read_json
 from dlm.runtime.errors import ConfigError, DlmError
@@ -21,6 +28,9 @@ from dlm.runtime.registry import family_for_config
 
 from . import bundle as B
 from . import checks as C
+from . import layers as L
+from . import streaming as S
+from .store import ArrayStore
 from . import weights as W
 from . import image_suite as I
 from .progress import tqdm as _tqdm
@@ -38,14 +48,19 @@ class Options:
     builtin_prompts: bool = True
     long_prompt: bool = True  # a built-in prompt longer than the sliding window
     bundle: Optional[str] = None
-    canvases: int = 2  # canvases per commit stream
-    steps: Optional[int] = None  # max denoising steps per canvas (None: generation_config)
-    stream_prompts: Optional[int] = 2  # prompts that get commit streams (None: all)
+    # Commit-stream budget; AUTO: 2 canvases, generation_config steps, 2 prompts,
+    # or, for a layer-streamed reference, 1 canvas of at most 8 steps, 1 prompt
+    # (streaming.STREAMED_BUDGET: every step reads every layer from disk).
+    canvases: Union[int, str] = "auto"  # canvases per commit stream
+    steps: Union[int, None, str] = "auto"  # max denoising steps per canvas (None: generation_config)
+    stream_prompts: Union[int, None, str] = "auto"  # prompts that get commit streams (None: all)
+    stream_layers: Optional[bool] = None  # layer-streamed references (None: when too big to hold)
     implementation: bool = True  # run check 2 (same weights)
     images: bool = True  # image rows (a family with image hooks, a model with a vision tower)
     trust_remote_code: bool = False
     thresholds: dict = field(default_factory=dict)
     progress: bool = True
+    trace_dir: Optional[str] = None  # --trace-dir: HTML pages of diverging commit streams
 
 
 def _text_config(config: dict) -> dict:
@@ -75,16 +90,81 @@ def _versions() -> dict:
     return out
 
 
+AUTO = "auto"
+
+
+def _budget(options: Options, streamed: bool) -> dict:
+    """The commit-stream budget: what the user set, else the mode's default."""
+    default = S.STREAMED_BUDGET if streamed else S.WHOLE_BUDGET
+    return {k: default[k] if getattr(options, k) == AUTO else getattr(options, k) for k in default}
+
+
+def _layer_cases(adapter, cases, images) -> list[str]:
+    """The cases whose per-layer hidden states are compared: the first logits
+    case and the first image case (none for a family without reference_layers)."""
+    if not callable(getattr(adapter, "reference_layers", None)) or not cases:
+        return []
+    return [cases[0].name] + ([images.cases[0].name] if images is not None and images.cases else [])
+
+
+def _reference_logits(adapter, ref, case, done, hidden: dict, layer_cases):
+    if case.name not in layer_cases:
+        return adapter.reference_logits(ref, case, done)
+    stacks = adapter.reference_layers(ref)
+    with L.capture(stacks) as calls:
+        out = adapter.reference_logits(ref, case, done)
+    hidden[case.name] = L.result(calls, stacks)
+    return out
+
+
+def _mlx_logits(adapter, loaded, case, hidden: dict, layer_cases):
+    if case.name not in layer_cases:
+        return adapter.mlx_logits(loaded, case)
+    collect: dict = {}
+    out = adapter.mlx_logits(loaded, case, collect=collect)
+    hidden[case.name] = collect
+    return out
+
+
+def _forwards(streams) -> int:
+    """Denoising forward passes of commit streams (one per traced step)."""
+    return int(sum(b.steps for s in streams for b in s.blocks))
+
+
 def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress, label,
-                   images=None) -> B.ReferenceRun:
-    run = B.ReferenceRun()
+                   images=None, layer_cases=()) -> B.ReferenceRun:
+    # Logits on disk, one case read at a time (268 MB a case at the released size).
+    run = B.ReferenceRun(logits=ArrayStore(), image_logits=ArrayStore())
+    timings: dict = {}
+    if getattr(ref, "streamer", None) is not None:
+        ref.streamer.label, ref.streamer.bar.enabled = label, progress
+    t = time.perf_counter()
     for case in _tqdm(cases, f"{label}: logits", progress):
-        run.logits[case.name] = adapter.reference_logits(ref, case, run.logits)
+        run.logits[case.name] = _reference_logits(adapter, ref, case, run.logits, run.hidden, layer_cases)
+    timings["logits"] = time.perf_counter() - t
+    t = time.perf_counter()
     for i in _tqdm(stream_idx, f"{label}: commit streams", progress):
         run.streams.append(adapter.reference_commit_stream(ref, prompts[i], settings))
+    timings["streams"] = time.perf_counter() - t
+    timings["stream_forwards"] = _forwards(run.streams)
     if images is not None:
-        I.run_reference(adapter, ref, images, settings, run, progress, label)
+        t = time.perf_counter()
+
+        def logits(case, done):
+            return _reference_logits(adapter, ref, case, done, run.hidden, layer_cases)
+
+        I.run_reference(adapter, ref, images, settings, run, progress, label, logits=logits)
+        timings["images"] = time.perf_counter() - t
+        timings["image_stream_forwards"] = _forwards(run.image_streams)
+    run.meta["timings"] = _rounded(timings)
+    if getattr(ref, "streamer", None) is not None:
+        run.meta["streaming"] = ref.streamer.stats()
+        ref.streamer.close()
     return run
+
+
+def _rounded(timings: dict) -> dict:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items()}
 
 
 def _stream_indices(n_prompts: int, stream_prompts: Optional[int]) -> list[int]:
@@ -104,23 +184,32 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
     family, adapter = _adapter(config, str(ref_path / "config.json"))
     if expect_family and family.name != expect_family:
         raise ConfigError(f"reference {reference} is a {family.name} model; the converted model is {expect_family}")
+    t = time.perf_counter()
+    need = S.reference_bytes(S.CheckpointSource(ref_path), options.reference_dtype)
+    streamed, why = S.decide(options.stream_layers, need)
     ref = adapter.load_reference(ref_path, dtype=options.reference_dtype,
-                                 trust_remote_code=options.trust_remote_code)
+                                 trust_remote_code=options.trust_remote_code, stream=streamed)
+    load_s = time.perf_counter() - t
     generation_config = getattr(ref, "generation_config", None) or {}
     window = _sliding_window(config)
     prompts = suite_prompts(ref_path, options.prompts_file, builtin=options.builtin_prompts,
                             long_prompt_tokens=window if options.long_prompt else None,
                             trust_remote_code=options.trust_remote_code)
     cases = adapter.logit_cases(config, prompts, generation_config)
-    settings = adapter.stream_settings(config, generation_config, blocks=options.canvases, steps=options.steps)
-    stream_idx = _stream_indices(len(prompts), options.stream_prompts)
-    images, image_note = I.record_images(adapter, ref_path, config, generation_config, options)
+    budget = _budget(options, streamed)
+    settings = adapter.stream_settings(config, generation_config, blocks=budget["canvases"], steps=budget["steps"])
+    stream_idx = _stream_indices(len(prompts), budget["stream_prompts"])
+    budgeted = Options(**{**options.__dict__, **budget})
+    images, image_note = I.record_images(adapter, ref_path, config, generation_config, budgeted)
     original = _run_reference(adapter, ref, cases, prompts, stream_idx, settings, options.progress, "reference",
-                              images)
+                              images, _layer_cases(adapter, cases, images))
+    original.meta["timings"]["load"] = round(load_s, 3)
     local = Path(reference).expanduser().is_dir()
-    original.meta = dict(source=str(ref_path.resolve()) if local else reference,
+    original.meta.update(source=str(ref_path.resolve()) if local else reference,
                          revision=options.revision, path=str(ref_path),
-                         dtype=options.reference_dtype, versions=_versions())
+                         dtype=options.reference_dtype, versions=_versions(),
+                         mode="streamed" if streamed else "whole", mode_reason=why,
+                         bytes=need)
     del ref
     bundle = B.Bundle(
         family=family.name, model_type=str(config.get("model_type")), config=config,
@@ -140,19 +229,38 @@ def _sliding_window(config: dict) -> Optional[int]:
     return int(value) if value else None
 
 
+def _bundle_layer_cases(adapter, bundle: B.Bundle, images) -> list[str]:
+    """The cases the bundle's reference captured hidden states for (older
+    bundles: the suite's choice)."""
+    return list(bundle.original.hidden) or _layer_cases(adapter, bundle.cases, images)
+
+
 def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Options) -> B.ReferenceRun:
     """The reference with exactly the converted model's (dequantized) weights,
     in float32: what is left against MLX is its compute precision, and bugs."""
     config = read_json(mlx_dir / "config.json", "config")
     dtype = "float32"
-    weights = family.model().to_hf(W.dequantized_weights(mlx_dir, config))
-    ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
-                                 trust_remote_code=options.trust_remote_code)
-    del weights
+    t = time.perf_counter()
+    dequantized = W.dequantized_weights(mlx_dir, config)
+    source = S.MlxSource(dequantized, family.model().to_hf)
+    need = S.reference_bytes(source, dtype)
+    streamed, why = S.decide(options.stream_layers, need)
+    if streamed:
+        ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=source,
+                                     trust_remote_code=options.trust_remote_code, stream=True)
+    else:
+        weights = family.model().to_hf(dequantized)
+        ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
+                                     trust_remote_code=options.trust_remote_code)
+        del weights
+    load_s = time.perf_counter() - t
     images, _ = I.usable(adapter, config, bundle, options)
     run = _run_reference(adapter, ref, bundle.cases, bundle.prompts, bundle.stream_prompts,
-                         bundle.settings, options.progress, "reference (MLX weights)", images)
-    run.meta = dict(dtype=dtype, fingerprint=W.fingerprint(mlx_dir), versions=_versions())
+                         bundle.settings, options.progress, "reference (MLX weights)", images,
+                         _bundle_layer_cases(adapter, bundle, images))
+    run.meta["timings"]["load"] = round(load_s, 3)
+    run.meta.update(dtype=dtype, fingerprint=W.fingerprint(mlx_dir), versions=_versions(),
+                    mode="streamed" if streamed else "whole", mode_reason=why, bytes=need)
     return run
 
 
@@ -188,12 +296,13 @@ def run_parity(mlx_dir, options: Options) -> Report:
     """Compare a converted MLX directory with its PyTorch reference."""
     from dlm.runtime import loader
 
+    start = time.perf_counter()
     mlx_dir = Path(mlx_dir).expanduser()
     if not (mlx_dir / "config.json").exists():
         raise ConfigError(f"{mlx_dir}: not a converted model directory (no config.json)")
     config = read_json(mlx_dir / "config.json", "config")
     family, adapter = _adapter(config, str(mlx_dir / "config.json"))
-    timings: dict[str, float] = {}
+    timings: dict = {}
     notes: list[str] = []
 
     t = time.perf_counter()
@@ -202,6 +311,8 @@ def run_parity(mlx_dir, options: Options) -> Report:
         if options.prompts_file:
             notes.append("--prompts ignored: the bundle's prompts are used")
         reference = dict(bundle.original.meta, bundle=str(bundle.path))
+        timings["reference"] = {"bundle": round(time.perf_counter() - t, 3),
+                                "recorded": bundle.original.meta.get("timings", {})}
     else:
         source, revision = options.reference, options.revision
         if not source:
@@ -217,16 +328,18 @@ def run_parity(mlx_dir, options: Options) -> Report:
                           "images": I.mlx_takes_images(adapter, config, options)[0]})
         bundle = record(source, live, expect_family=family.name)
         reference = dict(bundle.original.meta)
+        timings["reference"] = bundle.original.meta.get("timings", {})
     what = f"bundle {options.bundle}" if options.bundle else f"reference {reference.get('source')}"
     if bundle.family != family.name:
         raise ConfigError(f"{what} is a {bundle.family} model; {mlx_dir} is {family.name}")
     _check_compatible(bundle, config, str(mlx_dir / "config.json"))
-    timings["reference"] = time.perf_counter() - t
 
+    mlx_t: dict = {}
     t = time.perf_counter()
     # Prompts are token ids: no tokenizer needed (nor transformers, on a torch-less machine).
     loaded = loader.load(mlx_dir, trust_remote_code=options.trust_remote_code, tokenizer=False)
     prec = W.precision(mlx_dir, config)
+    mlx_t["load"] = time.perf_counter() - t
     compute = adapter.compute_dtype(loaded) if hasattr(adapter, "compute_dtype") else prec.compute_dtype
     if loaded.upcast:
         # Half-precision weights upcast for the CPU backend: the stored precision
@@ -239,17 +352,29 @@ def run_parity(mlx_dir, options: Options) -> Report:
     if differ:
         notes.append("the MLX generation_config.json differs from the reference's ("
                      + ", ".join(differ) + "): commit streams may diverge for that reason")
-    mlx_logits = {}
-    for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
-        mlx_logits[case.name] = adapter.mlx_logits(loaded, case)
-    mlx_streams = []
-    for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
-        mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
     images, image_note = I.usable(adapter, config, bundle, options)
     if image_note:
         notes.append(image_note)
-    mlx_images = I.run_mlx(adapter, loaded, images, bundle.settings, options.progress) if images else None
-    timings["mlx"] = time.perf_counter() - t
+    layer_cases = _bundle_layer_cases(adapter, bundle, images)
+    mlx_hidden: dict = {}
+    t = time.perf_counter()
+    mlx_logits = ArrayStore()
+    for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
+        mlx_logits[case.name] = _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases)
+    mlx_t["logits"] = time.perf_counter() - t
+    t = time.perf_counter()
+    mlx_streams = []
+    for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
+        mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
+    mlx_t["streams"] = time.perf_counter() - t
+    mlx_t["stream_forwards"] = _forwards(mlx_streams)
+    mlx_images = None
+    if images:
+        t = time.perf_counter()
+        mlx_images = I.run_mlx(adapter, loaded, images, bundle.settings, options.progress,
+                               logits=lambda case: _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases))
+        mlx_t["images"] = time.perf_counter() - t
+    timings["mlx"] = _rounded(mlx_t)
 
     t = time.perf_counter()
     matched, matched_note = None, ""
@@ -265,10 +390,14 @@ def run_parity(mlx_dir, options: Options) -> Report:
             else:
                 matched = _matched_run(mlx_dir, bundle, family, adapter, options)
                 matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
+                if matched.meta.get("mode") == "streamed":
+                    matched_note += ", layer-streamed"
     else:
         matched_note = "disabled (--no-implementation)"
-    timings["implementation"] = time.perf_counter() - t
+    timings["implementation"] = (dict(matched.meta.get("timings", {}), total=round(time.perf_counter() - t, 3))
+                                 if matched is not None else {"total": round(time.perf_counter() - t, 3)})
 
+    t = time.perf_counter()
     thr = options.thresholds
     ref_dtype = bundle.original.meta.get("dtype", "float32")
     # A half-precision reference cannot hold a float32 model to float32 bounds.
@@ -282,8 +411,10 @@ def run_parity(mlx_dir, options: Options) -> Report:
                                       note=matched_note))
     else:
         results.append(C.skipped("implementation", matched_note))
+    td = time.perf_counter()
     results.append(C.check_drift(bundle.original.logits, mlx_logits, bundle.original.streams,
                                  mlx_streams, prec, thr))
+    timings["drift"] = round(time.perf_counter() - td, 3)
     if matched is not None:
         results.append(C.check_commit_stream(matched.streams, mlx_streams, prec, thr,
                                              note="vs the reference with the MLX weights",
@@ -293,14 +424,35 @@ def run_parity(mlx_dir, options: Options) -> Report:
                                              note="vs the original reference"))
     else:
         results.append(C.skipped("commit_stream", "quantized model without the same-weights reference"))
+    if options.trace_dir:  # a side-by-side page per diverging commit stream (trace_view.py)
+        from .trace_view import write_divergences
+
+        compared = matched.streams if matched is not None else None if prec.quantized else bundle.original.streams
+        notes += write_divergences(options.trace_dir, mlx_dir, family, compared, mlx_streams,
+                                   "PyTorch reference" + (" (MLX weights)" if matched is not None else ""))
     if images is not None:
         vision = I.vision_precision(adapter, mlx_dir, config, loaded, compute)
         results += I.rows(bundle, images, mlx_images, matched, matched_note, prec, vs_original, vision,
                           compute, thr)
+    layers = {}
+    if matched is not None and matched.hidden:
+        same = W.Precision(compute, compute, None, None)  # same weights: judged by the compute dtype
+        layers["implementation"] = L.agreement(matched.hidden, mlx_hidden, same, thr,
+                                               "vs the reference with the MLX weights")
+    if bundle.original.hidden:
+        layers["original"] = L.agreement(bundle.original.hidden, mlx_hidden, vs_original, thr,
+                                         f"vs the original weights (reference in {ref_dtype})")
+    timings["checks"] = round(time.perf_counter() - t, 3)
+    timings["total"] = round(time.perf_counter() - start, 3)
+    modes = {"reference": bundle.original.meta.get("mode", "whole"),
+             "reference_reason": bundle.original.meta.get("mode_reason", "")}
+    if matched is not None:
+        modes.update(implementation=matched.meta.get("mode", "whole"),
+                     implementation_reason=matched.meta.get("mode_reason", ""))
 
     return Report(
         model=str(mlx_dir), family=family.name, precision=prec.to_dict(), reference=reference,
         checks=results, settings=dict(bundle.settings, stream_prompts=len(bundle.stream_prompts)),
         prompts=len(bundle.prompts), cases=len(bundle.cases), timings=timings, notes=notes,
-        images=I.summary(images),
+        images=I.summary(images), layers=layers, streaming=modes,
     )

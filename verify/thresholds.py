@@ -78,6 +78,14 @@ DEFAULTS: dict[str, dict[str, dict[str, Bound]]] = {
         "q8": {"max_abs": ("<=", None), "mean_abs": ("<=", None), "cosine_min": (">=", 0.99)},
         "q4": {"max_abs": ("<=", None), "mean_abs": ("<=", None), "cosine_min": (">=", 0.95)},
     },
+    # Per-layer hidden states (informational, dlm.verify.layers): the cosine
+    # under which a layer is named as where agreement first drops.
+    "layers": {
+        "float32": {"cosine_min": (">=", 0.9999)},
+        "half": {"cosine_min": (">=", 0.99)},
+        "q8": {"cosine_min": (">=", 0.99)},
+        "q4": {"cosine_min": (">=", 0.95)},
+    },
     "commit_stream": {
         "float32": {"identical_fraction": (">=", 1.0), "steps_match_fraction": (">=", 1.0)},
         "half": {"explained_fraction": (">=", 1.0), "token_match": (">=", None),

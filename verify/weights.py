@@ -37,18 +37,6 @@ class Precision:
         return dict(label=self.label, compute_dtype=self.compute_dtype, bits=self.bits, mode=self.mode)
 
 
-def _load_all(model_dir: Path) -> dict:
-    import mlx.core as mx
-
-    weights = {}
-    for f in weight_files(model_dir):
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as exc:  # mlx raises plain RuntimeError/ValueError on bad files
-            raise WeightError(f"{f}: cannot read safetensors ({exc})") from None
-    return weights
-
-
 def _quant_params(config: dict, module: str, has_biases: bool = False) -> dict | None:
     q = config.get("quantization") or config.get("quantization_config")
     if not q:
@@ -98,17 +86,33 @@ def precision(model_dir: Path, config: dict | None = None,
 
 class DequantizedWeights(Mapping):
     """``{mlx_name: float32 numpy}`` of a converted directory, dequantized one
-    tensor at a time on access (a 26B model never sits in memory twice)."""
+    tensor at a time on access (a 26B model never sits in memory twice).
+
+    Every read maps the shard afresh and drops it after, so nothing read stays
+    resident: a layer-streamed reference reads each layer again on every
+    forward pass in bounded memory."""
 
     def __init__(self, model_dir: Path, config: dict):
         self.model_dir, self.config = Path(model_dir), config
-        self._raw = _load_all(self.model_dir)  # mx.load maps lazily; nothing is read yet
-        raw = self._raw
+        import mlx.core as mx
+
+        # mx.load maps lazily: only names, shapes and dtypes are read here.
+        self._file: dict[str, Path] = {}
+        meta: dict[str, tuple] = {}
+        for f in weight_files(self.model_dir):
+            try:
+                arrays = mx.load(str(f))
+            except Exception as exc:  # mlx raises plain RuntimeError/ValueError on bad files
+                raise WeightError(f"{f}: cannot read safetensors ({exc})") from None
+            for name, arr in arrays.items():
+                self._file[name] = f
+                meta[name] = (tuple(arr.shape), arr.dtype)
         self._names = sorted(
-            n for n in raw
-            if not (n.endswith((".scales", ".biases")) and n.rsplit(".", 1)[0] + ".scales" in raw)
+            n for n in meta
+            if not (n.endswith((".scales", ".biases")) and n.rsplit(".", 1)[0] + ".scales" in meta)
         )
         self._set = set(self._names)
+        self._meta = meta
 
     def __len__(self) -> int:
         return len(self._names)
@@ -119,31 +123,75 @@ class DequantizedWeights(Mapping):
     def __contains__(self, name) -> bool:
         return name in self._set
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        import mlx.core as mx
+    def _module(self, name: str) -> str | None:
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        return module if module is not None and module + ".scales" in self._meta else None
 
+    def _params(self, module: str) -> dict:
+        params = _quant_params(self.config, module, module + ".biases" in self._meta)
+        if params is None:
+            raise ConfigError(
+                f"{self.model_dir / 'config.json'}: {module} is stored quantized but the "
+                "quantization block says it is not"
+            )
+        return params
+
+    def shape(self, name: str) -> tuple:
+        """The dequantized shape of a tensor (nothing is read)."""
         if name not in self._set:
             raise KeyError(name)
-        raw, arr = self._raw, self._raw[name]
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is not None and module + ".scales" in raw:
-            params = _quant_params(self.config, module, module + ".biases" in raw)
-            if params is None:
-                raise ConfigError(
-                    f"{self.model_dir / 'config.json'}: {module} is stored quantized but the "
-                    "quantization block says it is not"
-                )
-            try:
-                arr = mx.dequantize(
-                    arr, raw[module + ".scales"], raw.get(module + ".biases"),
-                    group_size=params["group_size"], bits=params["bits"], mode=params["mode"],
-                )
-            except Exception as exc:
-                raise WeightError(f"{name}: cannot dequantize with {params} ({exc})") from None
-        if mx.issubdtype(arr.dtype, mx.floating):
-            arr = arr.astype(mx.float32)
-        mx.eval(arr)
-        return np.array(arr)
+        shape = self._meta[name][0]
+        module = self._module(name)
+        if module is None:
+            return shape
+        bits = int(self._params(module)["bits"])
+        return shape[:-1] + (shape[-1] * 32 // bits,)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._set:
+            raise KeyError(name)
+        return self.take([name])[name]
+
+    def take(self, names: list[str]) -> dict[str, np.ndarray]:
+        """Several tensors at once (each shard mapped once, then dropped)."""
+        import mlx.core as mx
+
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self._set:
+                raise KeyError(name)
+            by_file.setdefault(self._file[name], []).append(name)
+        out = {}
+        for f, group in by_file.items():
+            raw = mx.load(str(f))
+            for name in group:
+                arr = raw[name]
+                module = self._module(name)
+                if module is not None:
+                    params = self._params(module)
+                    try:
+                        arr = mx.dequantize(
+                            arr, self._lookup(raw, module + ".scales"), self._lookup(raw, module + ".biases"),
+                            group_size=params["group_size"], bits=params["bits"], mode=params["mode"],
+                        )
+                    except Exception as exc:
+                        raise WeightError(f"{name}: cannot dequantize with {params} ({exc})") from None
+                if mx.issubdtype(arr.dtype, mx.floating):
+                    arr = arr.astype(mx.float32)
+                mx.eval(arr)
+                out[name] = np.array(arr)
+            del raw
+        return out
+
+    def _lookup(self, raw: dict, name: str):
+        """A companion tensor (scales / biases), possibly in another shard."""
+        if name not in self._meta:
+            return None
+        if name in raw:
+            return raw[name]
+        import mlx.core as mx
+
+        return mx.load(str(self._file[name]))[name]
 
 
 def dequantized_weights(model_dir: Path, config: dict | None = None) -> DequantizedWeights:

@@ -13,19 +13,21 @@ imported lazily: the MLX half of this module runs on machines without them
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 
-from dlm.runtime.errors import ConfigError, DlmError, WeightError
+from dlm.runtime.errors import DlmError
 
-from dlm.runtime.checkpoint import read_json
 from dlm.runtime.inputs import split_prompt
 
-from ..protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype
+from ..protocol import CommitStream, LogitCase, TraceRecorder
+from .loading import (  # noqa: F401  (the protocol's load_reference / reference_layers)
+    TEXT_STACKS,
+    Reference,
+    load_reference,
+    reference_layers,
+)
 from .images import (  # noqa: F401  (the adapter's image hooks)
     VISION_PREFIXES,
     has_vision,
@@ -38,13 +40,6 @@ from .images import (  # noqa: F401  (the adapter's image hooks)
 )
 
 SC_TOPK = 64  # self-conditioning inputs are stored as top-K + tail mass (bundles stay small)
-# Tiny stand-in for the vision tower when the config has none (text-only
-# conversions): transformers always builds one, and its default is 150M params.
-_STUB_VISION = dict(
-    hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-    num_key_value_heads=1, head_dim=8, patch_size=4, pooling_kernel_size=2,
-    position_embedding_size=8,
-)
 _GEN_KEYS = (
     "max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold",
     "eos_token_id", "pad_token_id", "bos_token_id",
@@ -73,116 +68,6 @@ def _canvas_length(config: dict) -> int:
     return int(config.get("canvas_length", 256))
 
 
-
-
-# ---------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class Reference:
-    model: Any  # DiffusionGemmaForBlockDiffusion
-    config: dict
-    generation_config: dict
-    dtype: str
-    path: Path
-    notes: list[str] = field(default_factory=list)
-
-
-
-
-def _hf_config_dict(config: dict) -> dict:
-    """A config.json (original or converted) as transformers' DiffusionGemmaConfig accepts it."""
-    cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config", "dlm")}
-    if cfg.get("model_type") == "diffusion_gemma_text":
-        # A bare text config: wrap it (the reference class is the full model).
-        cfg = {"model_type": "diffusion_gemma", "text_config": cfg}
-    if not cfg.get("vision_config"):
-        cfg["vision_config"] = dict(_STUB_VISION, model_type="gemma4_vision")
-    return cfg
-
-
-def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
-                   trust_remote_code: bool = False) -> Reference:
-    """transformers' DiffusionGemmaForBlockDiffusion on CPU (see the protocol).
-
-    DiffusionGemma is native to transformers >= 5.24, so no checkpoint code is
-    ever run; ``trust_remote_code`` is accepted for the protocol and ignored.
-    """
-
-    path = Path(path)
-    ref_dtype = torch_dtype(dtype)
-    config = read_json(path / "config.json", "config")
-    if config.get("model_type") not in ("diffusion_gemma", "diffusion_gemma_text"):
-        raise ConfigError(f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not DiffusionGemma")
-    try:
-        from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise DlmError(
-            f"the DiffusionGemma reference needs transformers>=5.24 with DiffusionGemma ({exc})"
-        ) from None
-    gen_path = path / "generation_config.json"
-    generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
-    notes: list[str] = []
-
-    if weights is None:
-        if not any(path.glob("*.safetensors")):
-            raise WeightError(
-                f"{path}: no *.safetensors files (dlm-verify loads reference weights only from safetensors)"
-            )
-        try:
-            model = DiffusionGemmaForBlockDiffusion.from_pretrained(
-                str(path), dtype=ref_dtype, use_safetensors=True
-            )
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise DlmError(f"could not load the reference from {path}: {exc}") from None
-    else:
-        hf_config = DiffusionGemmaConfig.from_dict(_hf_config_dict(config))
-        from transformers.initialization import no_init_weights
-
-        with no_init_weights():
-            model = DiffusionGemmaForBlockDiffusion(hf_config)
-        _load_weights(model, weights, ref_dtype)
-        notes.append("weights: the MLX model's (dequantized)")
-    model = model.to(ref_dtype).eval()
-    return Reference(model, config, generation_config, dtype, path, notes)
-
-
-def _load_weights(model, weights: dict, target_dtype) -> None:
-    """Copy ``{hf_name: array}`` into the model; every decoder tensor and
-    encoder layer scalar must be provided (tied encoder weights follow), and
-    when the weights hold any vision tower / embed_vision tensor, every one of
-    those too (text-only weights leave the tower unused: no image rows)."""
-    import torch
-
-    own = dict(model.named_parameters())
-    own.update(dict(model.named_buffers()))
-    vision = any(str(name).startswith(VISION_PREFIXES) for name in weights)
-    need = {
-        n for n in own
-        if n.startswith("model.decoder.")
-        or (n.startswith("model.encoder.language_model.layers.") and n.endswith("layer_scalar"))
-        or (vision and n.startswith(VISION_PREFIXES))
-    }
-    with torch.no_grad():
-        for name in weights:
-            value = weights[name]
-            if name not in own:
-                raise WeightError(f"MLX tensor {name} has no counterpart in the PyTorch reference")
-            target = own[name]
-            src = torch.from_numpy(np.ascontiguousarray(value))
-            if tuple(src.shape) != tuple(target.shape):
-                raise WeightError(
-                    f"MLX tensor {name} has shape {list(src.shape)}; the reference expects {list(target.shape)}"
-                )
-            target.data = src.to(target_dtype).clone()
-            need.discard(name)
-    missing = sorted(n for n in need if not n.endswith("inv_freq") and "rotary" not in n
-                     and not n.endswith("embed_scale"))
-    if missing:
-        raise WeightError(f"the MLX model lacks tensor {missing[0]} (and {len(missing) - 1} more)")
-    model.tie_weights()
 
 
 # ---------------------------------------------------------------------------
@@ -295,9 +180,17 @@ def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
     L = _canvas_length(ref.config)
     V = _vocab(ref.config)
     with torch.no_grad():
-        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
         ids = torch.tensor([case.prompt_ids], dtype=torch.long)
-        pos = _encode(model, ids, cache, start=0, prefill=True, images=case.images)
+        key = (tuple(case.prompt_ids), tuple(id(i) for i in case.images))
+        if ref.streamer is not None and ref.prefilled is not None and ref.prefilled[0] == key:
+            # Layer-streamed: the cases of one prompt share its prefill (a copy of
+            # the encoder's cache), so each reads the layers for its decoder pass only.
+            cache, pos = copy.deepcopy(ref.prefilled[1]), len(case.prompt_ids)
+        else:
+            cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+            pos = _encode(model, ids, cache, start=0, prefill=True, images=case.images)
+            if ref.streamer is not None:
+                ref.prefilled = (key, copy.deepcopy(cache))
         if "committed" in case.arrays:
             committed = torch.from_numpy(np.asarray(case.arrays["committed"], np.int64))[None]
             ids = torch.cat([ids, committed], dim=-1)
@@ -514,23 +407,34 @@ def compute_dtype(loaded) -> str:
     return str(loaded.model.dtype).replace("mlx.core.", "")
 
 
-def mlx_logits(loaded, case: LogitCase) -> np.ndarray:
-    """The same forward pass as ``reference_logits`` on the MLX model."""
+def mlx_logits(loaded, case: LogitCase, collect: dict | None = None) -> np.ndarray:
+    """The same forward pass as ``reference_logits`` on the MLX model.
+    ``collect``: filled with ``{stack: [per-layer float32 [positions, hidden]]}``
+    (the stacks of ``reference_layers``; the last encoder layer, whose output
+    MLX never computes, is left out)."""
     import mlx.core as mx
 
     model = loaded.model
     V = _vocab(loaded.config)
     cache = model.make_cache()
-    mlx_prefill(loaded, case.prompt_ids, cache, case.images)
+    enc = [] if collect is not None else None
+    dec = [] if collect is not None else None
+    mlx_prefill(loaded, case.prompt_ids, cache, case.images, collect=enc)
     offset = len(case.prompt_ids)
     if "committed" in case.arrays:
         committed = np.asarray(case.arrays["committed"], np.int32)
-        model.encode(mx.array(committed), cache, offset=offset)
+        model.encode(mx.array(committed), cache, offset=offset, collect=enc)
         offset += len(committed)
     sc = dense_sc(case.arrays, V)
     sc_mx = None if sc is None else mx.array(sc)[None].astype(model.dtype)
     canvas = mx.array(np.asarray(case.arrays["canvas"], np.int32))
-    logits = model.decode(canvas, cache, sc_logits=sc_mx, offset=offset)
+    logits = model.decode(canvas, cache, sc_logits=sc_mx, offset=offset, collect=dec)
+    if collect is not None:
+        from ..layers import per_layer
+
+        n = len(model.layers)
+        collect["encoder"] = per_layer(enc, n)[: n - 1]
+        collect["decoder"] = per_layer(dec, n)
     return np.array(logits[0].astype(mx.float32))
 
 

@@ -76,17 +76,19 @@ def mlx_image_features(loaded, image) -> np.ndarray:
     return np.array(out.astype(mx.float32))
 
 
-def mlx_prefill(loaded, ids: list[int], cache, images: list) -> None:
+def mlx_prefill(loaded, ids: list[int], cache, images: list, collect: Optional[list] = None) -> None:
     """The runtime's prefill of a prompt with images: the vision encoder, then
-    the prompt with the features in place and image blocks bidirectional."""
+    the prompt with the features in place and image blocks bidirectional.
+    ``collect``: gets each encoder layer's output (``Model.encode``)."""
     import mlx.core as mx
 
     from dlm.runtime.models.diffusion_gemma.model import image_blocks
 
     model = loaded.model
     if not images:
-        model.prefill(ids, cache)
+        model.prefill(ids, cache, collect=collect)
         return
     features = [model.encode_image(i.pixel_values, i.position_ids) for i in images]
     features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
-    model.prefill(ids, cache, features=features, blocks=image_blocks(ids, loaded.args.image_token_id))
+    model.prefill(ids, cache, features=features, blocks=image_blocks(ids, loaded.args.image_token_id),
+                  collect=collect)

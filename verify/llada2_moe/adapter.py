@@ -50,6 +50,22 @@ class Reference:
     dtype: str
     path: Path
     notes: list[str] = field(default_factory=list)
+    streamer: Any = None  # dlm.verify.streaming.LayerStreamer when layer-streamed
+
+
+LAYERS = "model.layers"  # the layer stack, in dlm's reference and in the hub code alike
+
+
+def _torch_module(ref: Reference):
+    """The nn.Module behind the reference (the hub model inside a RemoteModel)."""
+    from .remote import RemoteModel
+
+    return ref.model.model if isinstance(ref.model, RemoteModel) else ref.model
+
+
+def reference_layers(ref: Reference) -> dict:
+    """``{stack: [layer modules]}`` whose outputs the per-layer diagnostic compares."""
+    return {"layers": list(_torch_module(ref).get_submodule(LAYERS))}
 
 
 def ships_modeling_code(path: Path, config: dict) -> bool:
@@ -57,8 +73,10 @@ def ships_modeling_code(path: Path, config: dict) -> bool:
 
 
 def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
-                   trust_remote_code: bool = False) -> Reference:
-    """The PyTorch reference on CPU (see dlm.verify.protocol)."""
+                   trust_remote_code: bool = False, stream: bool = False) -> Reference:
+    """The PyTorch reference on CPU (see dlm.verify.protocol). ``stream``: the
+    same model with its layers' weights streamed from disk
+    (``dlm.verify.streaming``)."""
     import torch
 
     from . import torch_model as R
@@ -74,13 +92,27 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
     if weights is None and trust_remote_code and ships_modeling_code(path, config):
         from .remote import load_remote
 
-        model = load_remote(path, ref_dtype, config)
+        model = load_remote(path, ref_dtype, config, stream=stream)
         notes.append("forward pass: the checkpoint's own modeling code (--trust-remote-code)")
-        return Reference(model, config, generation_config, dtype, path, notes)
+        ref = Reference(model, config, generation_config, dtype, path, notes)
+        if stream:
+            ref.streamer = _stream(model.model, path, None, ref_dtype, config, notes)
+        return ref
     try:
         cfg = R.RefConfig.from_dict({k: v for k, v in config.items() if k not in ("quantization", "quantization_config")})
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"{path / 'config.json'}: cannot build the reference: {exc}") from None
+    if stream:
+        from .. import streaming as S
+
+        with S.empty_parameters():
+            model = R.LLaDA2Reference(cfg)
+        model = model.to(ref_dtype).eval()
+        if weights is not None:
+            notes.append("weights: the MLX model's (dequantized)")
+        ref = Reference(model, config, generation_config, dtype, path, notes)
+        ref.streamer = _stream(model, path, weights, ref_dtype, config, notes)
+        return ref
     if weights is None:
         try:
             model = R.load_reference(path, ref_dtype)
@@ -107,6 +139,18 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
         model = model.to(ref_dtype).eval()
         notes.append("weights: the MLX model's (dequantized)")
     return Reference(model, config, generation_config, dtype, path, notes)
+
+
+def _stream(module, path: Path, weights, ref_dtype, config: dict, notes: list[str]):
+    """A LayerStreamer over the layers of ``module`` (dlm's reference or the hub
+    model: the same names); a tied head reads the embedding."""
+    from .. import streaming as S
+
+    source = S.as_source(weights, path)
+    if "lm_head.weight" not in source and config.get("tie_word_embeddings"):
+        module.lm_head.weight = module.get_submodule("model.word_embeddings").weight
+    notes.append("layer-streamed: each layer's weights read from disk for every forward pass")
+    return S.LayerStreamer(module, source, ref_dtype, S.stacks_of(module, LAYERS), strict=weights is not None)
 
 
 # ---------------------------------------------------------------------------
@@ -164,29 +208,39 @@ def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
         return ref.model(ids, mask)[0, -bl:].float().numpy()
 
 
-def mlx_logits(loaded, case: LogitCase) -> np.ndarray:
+def mlx_logits(loaded, case: LogitCase, collect: dict | None = None) -> np.ndarray:
     """The same forward on the MLX model, through the runtime's KV-cache path:
     earlier blocks prefilled, the last committed block fused with the active
-    one (as the generation loop does)."""
+    one (as the generation loop does). ``collect``: filled with ``{"layers":
+    [per-layer float32 [positions, hidden]]}`` over the whole window."""
     import mlx.core as mx
 
     from dlm.runtime.models.llada2_moe import block_causal_mask
 
     model = loaded.model
     window = np.asarray(case.arrays["window"], np.int32)
+    outs = [] if collect is not None else None
+
+    def done(logits):
+        if collect is not None:
+            from ..layers import per_layer
+
+            collect["layers"] = per_layer(outs, len(model.layers))
+        return np.array(logits[0])
+
     if case.meta["kind"] == "bidirectional":
-        return np.array(model(mx.array(window)[None])[0])
+        return done(model(mx.array(window)[None], collect=outs))
     bl = int(case.meta["block_length"])
     start = len(window) - bl
     cache = model.make_cache(len(window))
     prefix = max(start - bl, 0)
     if prefix:
-        model(mx.array(window[:prefix])[None], cache, block_causal_mask(0, prefix, 0, bl), last=1)
+        model(mx.array(window[:prefix])[None], cache, block_causal_mask(0, prefix, 0, bl), last=1, collect=outs)
         for c in cache:
             c.commit(prefix)
     rest = mx.array(window[prefix:])[None]
-    logits = model(rest, cache, block_causal_mask(prefix, len(window) - prefix, prefix, bl), last=bl)
-    return np.array(logits[0])
+    return done(model(rest, cache, block_causal_mask(prefix, len(window) - prefix, prefix, bl), last=bl,
+                      collect=outs))
 
 
 def compute_dtype(loaded) -> str:

@@ -142,9 +142,10 @@ class RemoteModel:
         return logits.float()
 
 
-def load_remote(path, torch_dtype, config: dict) -> RemoteModel:
+def load_remote(path, torch_dtype, config: dict, stream: bool = False) -> RemoteModel:
     """Build the checkpoint's own ``AutoModelForCausalLM`` (trust_remote_code);
-    ``config``: its config.json, already read."""
+    ``config``: its config.json, already read. ``stream``: only its skeleton,
+    every parameter on the meta device (``dlm.verify.streaming`` loads them)."""
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
@@ -158,7 +159,14 @@ def load_remote(path, torch_dtype, config: dict) -> RemoteModel:
         if isinstance(getattr(cls, "_tied_weights_keys", None), list):  # P5
             cls._tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
         hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
-        model = cls.from_pretrained(str(path), config=hf_config, dtype=torch_dtype, use_safetensors=True)
+        if stream:
+            from ..streaming import empty_parameters
+
+            with empty_parameters():
+                model = cls(hf_config)
+            model = model.to(torch_dtype)
+        else:
+            model = cls.from_pretrained(str(path), config=hf_config, dtype=torch_dtype, use_safetensors=True)
     except Exception as exc:
         raise DlmError(f"cannot run the modeling code shipped with {path}: {type(exc).__name__}: {exc}") from None
     _fix_rotary(model, config)

@@ -1,0 +1,326 @@
+"""dlm-verify with layer-streamed references (dlm.verify.streaming) and the
+per-layer hidden-state diagnostic (dlm.verify.layers), on both families.
+
+* a streamed reference (transformers' DiffusionGemma with and without images,
+  dlm's LLaDA-2 reference, a LLaDA-2 checkpoint's own modeling code) computes
+  exactly what the whole-model reference computes: logits, vision features,
+  commit streams, hidden states and the same-weights run, through bundles;
+* the diagnostic names the layer whose weight a converted copy perturbs;
+* peak memory of a streamed reference forward is flat in depth, where the
+  whole-model reference's grows with it (peak RSS in a subprocess).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from dlm.verify import bundle as B  # noqa: E402
+from dlm.verify.suite import Options, record, run_parity  # noqa: E402
+from tests.builders import (  # noqa: E402
+    FAST_VERIFY, build_diffusion_gemma, build_llada2, convert_dir, verify_options, write_llada2_remote_code,
+)
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    yield
+
+
+def _record(hf, mlx, streamed: bool, **kw):
+    opts = Options(reference=str(hf), long_prompt=False, stream_layers=streamed,
+                   **{**FAST_VERIFY, "canvases": 1, "steps": 4, **kw})
+    return record(str(hf), opts, mlx_dir=mlx)
+
+
+def _assert_same_run(a: B.ReferenceRun, b: B.ReferenceRun, tol: float = 1e-6):
+    assert sorted(a.logits) == sorted(b.logits) and a.logits
+    for name in a.logits:
+        assert np.abs(a.logits[name] - b.logits[name]).max() <= tol, name
+    for name in a.features:
+        assert np.abs(a.features[name] - b.features[name]).max() <= tol, name
+    assert sorted(a.image_logits) == sorted(b.image_logits)
+    for name in a.image_logits:
+        assert np.abs(a.image_logits[name] - b.image_logits[name]).max() <= tol, name
+    for sa, sb in zip(a.streams + a.image_streams, b.streams + b.image_streams, strict=True):
+        assert sa.tokens == sb.tokens and sa.steps_per_block == sb.steps_per_block
+        for x, y in zip(sa.blocks, sb.blocks):
+            assert np.array_equal(x.step_argmax, y.step_argmax)
+            assert np.abs(x.topk_logits - y.topk_logits).max() <= tol
+    assert sorted(a.hidden) == sorted(b.hidden) and a.hidden
+    for case in a.hidden:
+        for stack, layers in a.hidden[case].items():
+            assert len(layers) == len(b.hidden[case][stack])
+            for x, y in zip(layers, b.hidden[case][stack]):
+                assert np.abs(x - y).max() <= tol, (case, stack)
+
+
+def _same_verdicts(a, b, tol: float = 1e-6):
+    assert {c.name: c.status for c in a.checks} == {c.name: c.status for c in b.checks}
+    for x, y in zip(a.checks, b.checks):
+        for k, v in x.metrics.items():
+            if isinstance(v, float):
+                assert abs(v - y.metrics[k]) <= tol * max(1.0, abs(v)), (x.name, k)
+
+
+def test_streamed_diffusion_gemma_equals_whole_through_bundles(tiny_dg_dir, tiny_dg_mlx_dir, tmp_path):
+    whole = _record(tiny_dg_dir, tiny_dg_mlx_dir, False)
+    streamed = _record(tiny_dg_dir, tiny_dg_mlx_dir, True)
+    assert whole.original.meta["mode"] == "whole" and streamed.original.meta["mode"] == "streamed"
+    assert streamed.matched.meta["mode"] == "streamed"
+    # A decoder pass per logits case at least (the cases of a prompt share its prefill).
+    assert streamed.original.meta["streaming"]["layer_loads"] >= 6 * len(streamed.cases)
+    saved = [B.load(B.save(b, tmp_path / name)) for b, name in ((whole, "whole"), (streamed, "streamed"))]
+    for a, b in ((whole, streamed), tuple(saved)):
+        _assert_same_run(a.original, b.original)
+        _assert_same_run(a.matched, b.matched)
+    assert set(saved[1].original.hidden["p0.arange"]) == {"encoder", "decoder"}
+    assert len(saved[1].original.hidden["p0.arange"]["encoder"]) == 6  # the last one too (MLX skips it)
+    reports = [run_parity(tiny_dg_mlx_dir, verify_options(bundle=str(tmp_path / n))) for n in ("whole", "streamed")]
+    _same_verdicts(*reports)
+    assert reports[1].passed, reports[1].table()
+    assert reports[1].streaming["reference"] == "streamed"
+    layers = reports[1].layers["implementation"]
+    assert layers["first_divergence"] is None
+    assert [r["layer"] for r in layers["cases"]["p0.arange"]["stacks"]["encoder"]] == [0, 1, 2, 3, 4]
+    assert len(layers["cases"]["p0.arange"]["stacks"]["decoder"]) == 6
+    out = tmp_path / "r.json"
+    reports[1].write_json(out)
+    doc = json.loads(out.read_text())
+    assert doc["streaming"]["implementation"] == "streamed" and "layers" in doc
+    assert "Per-layer hidden states" in reports[1].card_markdown()
+    assert "layer by layer" in reports[1].table()
+
+
+def test_streamed_diffusion_gemma_with_images_equals_whole(tiny_dg_vision_dir, tiny_dg_vision_mlx_dir):
+    whole = _record(tiny_dg_vision_dir, tiny_dg_vision_mlx_dir, False)
+    streamed = _record(tiny_dg_vision_dir, tiny_dg_vision_mlx_dir, True)
+    assert streamed.original.features and streamed.original.image_streams
+    assert any(c.startswith("image.") for c in streamed.original.hidden)
+    _assert_same_run(whole.original, streamed.original)
+    _assert_same_run(whole.matched, streamed.matched)
+
+
+def test_streamed_llada2_equals_whole_and_remote_code(tiny_llada2_mlx_dir, tmp_path):
+    hf = tiny_llada2_mlx_dir.parent / "hf"
+    whole = _record(hf, tiny_llada2_mlx_dir, False)
+    streamed = _record(hf, tiny_llada2_mlx_dir, True)
+    _assert_same_run(whole.original, streamed.original)
+    _assert_same_run(whole.matched, streamed.matched)
+    assert streamed.original.meta["streaming"]["layer_loads"] > 0
+    # The checkpoint's own modeling code, streamed the same way (--trust-remote-code).
+    from dlm.verify.llada2_moe import adapter as A
+
+    build_llada2(tmp_path, "flat")
+    write_llada2_remote_code(tmp_path, logit_offset=3.0)
+    refs = [A.load_reference(tmp_path, trust_remote_code=True, stream=s) for s in (False, True)]
+    assert refs[1].streamer is not None and "modeling code" in refs[1].notes[0]
+    for case in A.logit_cases(refs[0].config, [[3, 1, 4, 1, 5]], {}):
+        got = [A.reference_logits(r, case, {}) for r in refs]
+        assert np.abs(got[0] - got[1]).max() <= 1e-6, case.name
+
+
+def test_cli_stream_layers_uses_the_streamed_budget(tiny_llada2_mlx_dir, tmp_path):
+    """--stream-layers: both references stream, and unset budgets take the
+    streamed defaults (1 canvas of at most 8 steps, 1 prompt); the report
+    records the modes and per-phase timings."""
+    from click.testing import CliRunner
+
+    from dlm.verify.cli import main
+
+    out = tmp_path / "r.json"
+    args = [str(tiny_llada2_mlx_dir), "--reference", str(tiny_llada2_mlx_dir.parent / "hf"), "--stream-layers",
+            "--report", str(out), "--quiet", "--torch-threads", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["streaming"]["reference"] == doc["streaming"]["implementation"] == "streamed"
+    assert doc["settings"]["max_denoising_steps"] == 8 and doc["settings"]["stream_prompts"] == 1
+    assert doc["settings"]["max_new_tokens"] == 32  # one block of 32
+    assert doc["timings"]["reference"]["stream_forwards"] > 0 and "load" in doc["timings"]["implementation"]
+    assert "s/forward" in result.output and "layer by layer" in result.output
+
+
+def test_auto_mode_and_layer_progress(capsys):
+    from dlm.runtime.memory import budget_bytes
+    from dlm.verify import streaming as S
+    from dlm.verify.progress import LayerBar
+
+    budget = budget_bytes()
+    assert S.decide(None, int(0.6 * budget))[0] and not S.decide(None, int(0.4 * budget))[0]
+    assert S.decide(True, 1) == (True, "--stream-layers") and not S.decide(False, 10**15)[0]
+    bar = LayerBar(True, every=0.0)
+    for i in range(3):
+        bar.step("reference: decoder layers", i, 3)
+    err = capsys.readouterr().err
+    assert "reference: decoder layers: layer 3/3" in err and "pass ETA" in err
+
+
+def _perturb(src: Path, dst: Path, name: str) -> Path:
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    for f in files:
+        w = dict(mx.load(str(f)))
+        if name in w:
+            noise = mx.random.normal(w[name].shape, key=mx.random.key(0)) * mx.std(w[name])
+            w[name] = w[name] + 0.5 * noise
+            mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
+            return dst
+    raise AssertionError(f"no tensor {name} in {src}")
+
+
+def test_layer_diagnostic_names_the_perturbed_layer(tiny_dg_dir, tiny_dg_mlx_dir, tiny_llada2_mlx_dir, tmp_path):
+    """One layer's weight perturbed in a converted copy: agreement with the
+    original weights holds before it and drops there (DiffusionGemma: in the
+    encoder first, then in the decoder that reads its cache)."""
+    mutant = _perturb(tiny_dg_mlx_dir, tmp_path / "dg", "model.decoder.layers.3.mlp.gate_proj.weight")
+    report = run_parity(mutant, verify_options(reference=str(tiny_dg_dir), long_prompt=False,
+                                               implementation=False, stream_prompts=0, stream_layers=True))
+    summary = report.layers["original"]
+    assert summary["first_divergence"]["stack"] == "encoder" and summary["first_divergence"]["layer"] == 3
+    bound = summary["threshold"]["cosine_min"]
+    for stack in ("encoder", "decoder"):
+        rows = {r["layer"]: r for r in summary["cases"]["p0.arange"]["stacks"][stack]}
+        assert all(rows[i]["cosine_min"] >= bound for i in range(3)), stack
+        assert rows[3]["cosine_min"] < bound, stack
+    assert "encoder layer 3" in report.table()
+
+    hf = tiny_llada2_mlx_dir.parent / "hf"
+    mutant = _perturb(tiny_llada2_mlx_dir, tmp_path / "l2", "model.layers.1.attention.dense.weight")
+    report = run_parity(mutant, verify_options(reference=str(hf), long_prompt=False, implementation=False,
+                                               stream_prompts=0))
+    first = report.layers["original"]["first_divergence"]
+    assert (first["stack"], first["layer"]) == ("layers", 1)
+    rows = report.layers["original"]["cases"][first["case"]]["stacks"]["layers"]
+    assert rows[0]["cosine_min"] >= report.layers["original"]["threshold"]["cosine_min"]
+
+
+# The bounded-memory property: one subprocess measures the peak RSS increment
+# of a reference forward (one logits case: prefill + decoder step) per
+# (weights, mode, depth). MALLOC_MMAP_THRESHOLD_ keeps large blocks mmapped, so
+# what a phase frees goes back to the OS and the next phase's peak is its own.
+_CHILD = r"""
+import gc, json, sys
+import torch
+torch.set_num_threads(1)
+from dlm.runtime.checkpoint import read_json
+from dlm.runtime.registry import family_for_config
+from dlm.verify import streaming as S, weights as W
+from dlm.verify.diffusion_gemma import adapter as A
+
+def rss(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+out = {}
+for phase in json.loads(sys.argv[1]):
+    kind, mode, path = phase
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    before = rss("VmRSS")
+    weights = None
+    if kind == "mlx":
+        config = read_json(path + "/config.json", "config")
+        dq = W.dequantized_weights(path, config)
+        to_hf = family_for_config(config, path).model().to_hf
+        weights = S.MlxSource(dq, to_hf) if mode == "streamed" else to_hf(dq)
+    ref = A.load_reference(path, weights=weights, stream=mode == "streamed")
+    case = A.logit_cases(ref.config, [list(range(2, 40))], {})[0]
+    logits = A.reference_logits(ref, case, {})
+    out["/".join(phase)] = rss("VmHWM") - before
+    del ref, weights, logits
+print(json.dumps(out))
+"""
+
+# Wide experts, every layer full attention (so any depth is a valid model): ~26 MB per layer in float32.
+_WIDE = dict(hidden_size=256, num_experts=16, top_k_experts=2, moe_intermediate_size=512, intermediate_size=256)
+
+
+def test_streamed_reference_peak_memory_is_flat_in_depth(tmp_path):
+    dirs = {}
+    for n in (2, 8):
+        build_diffusion_gemma(tmp_path / f"hf{n}", text_overrides=dict(_WIDE, num_hidden_layers=n,
+                                                                      layer_types=["full_attention"] * n))
+        dirs[("hf", n)] = tmp_path / f"hf{n}"
+        dirs[("mlx", n)] = convert_dir(tmp_path / f"hf{n}", tmp_path / f"mlx{n}")
+    size = {n: sum(f.stat().st_size for f in dirs[("hf", n)].glob("*.safetensors")) for n in (2, 8)}
+    grown = size[8] - size[2]
+    assert grown > 120e6  # 6 more layers of ~26 MB: the models differ by several times a layer
+    phases = [(kind, mode, str(dirs[(kind, n)])) for kind in ("hf", "mlx") for mode in ("whole", "streamed")
+              for n in (2, 8)]
+    # Warm-up phases first (lazy imports and first-call allocations would count
+    # against the first measured phase); their numbers are overwritten.
+    phases = [("hf", "streamed", str(dirs[("hf", 2)])), ("mlx", "streamed", str(dirs[("mlx", 2)]))] + phases
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(phases)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peak = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def growth(kind, mode):
+        return peak[f"{kind}/{mode}/{dirs[(kind, 8)]}"] - peak[f"{kind}/{mode}/{dirs[(kind, 2)]}"]
+
+    for kind in ("hf", "mlx"):
+        # The whole-model reference holds every layer: its peak grows with depth (the test can fail) ...
+        assert growth(kind, "whole") > 0.6 * grown, (kind, peak)
+        # ... the streamed one holds one layer at a time: flat in depth.
+        assert growth(kind, "streamed") < 0.15 * grown, (kind, peak)
+
+
+def test_logit_store_and_bundle_arrays_match_the_safetensors_library(tmp_path):
+    """Logits kept on disk read back unchanged; bundles written one array at a
+    time are standard safetensors (the library reads them), and the lazy
+    reader reads what the library writes."""
+    from safetensors.numpy import load_file, save_file
+
+    from dlm.verify.store import ArrayStore, SafetensorsArrays, write_safetensors
+
+    rng = np.random.default_rng(0)
+    arrays = {"logits/p0": rng.standard_normal((8, 512)).astype(np.float32),
+              "case/p0/canvas": np.arange(8, dtype=np.int64), "stream/0/0/step_argmax": np.zeros((0, 8), np.int32),
+              "x": np.array([1, 2, 3], np.int32)}
+    store = ArrayStore()
+    for k, v in arrays.items():
+        store[k] = v
+    assert all(np.array_equal(store[k], v) and store[k].dtype == v.dtype for k, v in arrays.items())
+    write_safetensors(tmp_path / "mine.safetensors", store)
+    theirs = load_file(str(tmp_path / "mine.safetensors"))
+    assert set(theirs) == set(arrays) and all(np.array_equal(theirs[k], arrays[k]) for k in arrays)
+    save_file(arrays, str(tmp_path / "lib.safetensors"))
+    lazy = SafetensorsArrays(tmp_path / "lib.safetensors")
+    assert all(np.array_equal(lazy[k], arrays[k]) and lazy[k].dtype == arrays[k].dtype for k in arrays)
+    folder = store._dir
+    store.close()
+    assert not folder.exists()
+
+
+def test_streamed_reference_refuses_incomplete_weights_naming_the_tensor(tiny_llada2_mlx_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from dlm.runtime.errors import WeightError
+    from dlm.verify.llada2_moe import adapter as A
+
+    src = tiny_llada2_mlx_dir.parent / "hf"
+    for drop, reshape in (("model.layers.1.attention.dense.weight", False),
+                          ("model.layers.2.mlp.experts.3.up_proj.weight", True)):
+        bad = tmp_path / drop.replace(".", "_")
+        shutil.copytree(src, bad)
+        tensors = load_file(str(bad / "model.safetensors"))
+        if reshape:
+            tensors[drop] = tensors[drop][:-1]
+        else:
+            del tensors[drop]
+        save_file(tensors, str(bad / "model.safetensors"))
+        with pytest.raises(WeightError, match=drop.replace(".", r"\.")) as err:
+            A.load_reference(bad, stream=True)
+        assert str(bad) in str(err.value)

@@ -1,0 +1,165 @@
+"""Per-layer hidden-state agreement: which layer diverges first.
+
+For one logits case (and the first image case), the output of every layer of
+the reference's stacks (``adapter.reference_layers``: DiffusionGemma's encoder
+and decoder, LLaDA-2's layers) is captured with forward hooks while the
+reference computes that case's logits, and the MLX model reports the same
+through ``mlx_logits(..., collect=...)``. Per layer: max and mean |Δ|, the
+cosine between the two hidden vectors at each position (min and mean) and
+max |Δ| relative to the reference's largest entry.
+
+The diagnostic is informational, not a verdict: the logits and implementation
+rows already gate the model, and a hidden state can move more than the
+logits feel (an MoE token whose top-k experts are near-tied switches expert
+under rounding: a large local change at one layer that the next layers damp).
+Its job is to localise: ``first_divergence`` names the first layer, in
+computation order, whose cosine drops below the precision's bound
+(``thresholds.DEFAULTS["layers"]``, overridable with ``--thresholds``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from .thresholds import thresholds_for
+from .weights import Precision
+
+
+def per_layer(outputs: Optional[list], n_layers: int) -> list:
+    """Layer outputs collected over several calls (each call appends one per
+    layer, in order; None where a layer's output is not computed) as one
+    float32 [positions, hidden] array per layer (the calls concatenated)."""
+    if not outputs:
+        return []
+    if len(outputs) % n_layers:
+        raise ValueError(f"{len(outputs)} layer outputs do not split into calls of {n_layers} layers")
+    layers: list[list] = [[] for _ in range(n_layers)]
+    for k, out in enumerate(outputs):
+        if out is not None:
+            layers[k % n_layers].append(_numpy(out))
+    return [np.concatenate(parts, axis=0) if parts else None for parts in layers]
+
+
+def _numpy(x) -> np.ndarray:
+    try:
+        import mlx.core as mx
+
+        if isinstance(x, mx.array):
+            x = np.array(x.astype(mx.float32))
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(x, "detach"):  # torch
+        import torch
+
+        x = x.detach().to(torch.float32).numpy()
+    x = np.asarray(x, np.float32)
+    return x.reshape(-1, x.shape[-1]).copy()  # batch 1: [positions, hidden]
+
+
+@contextlib.contextmanager
+def capture(stacks: dict):
+    """Record every call of the torch layer modules in ``stacks`` (``{name:
+    [modules]}``); yields ``{name: [per-call outputs in call order]}``, turned
+    into per-layer arrays by ``result``."""
+    calls: dict[str, list] = {name: [] for name in stacks}
+    hooks = []
+    for name, layers in stacks.items():
+        for i, layer in enumerate(layers):
+            def hook(module, args, output, name=name, i=i):
+                out = output[0] if isinstance(output, (tuple, list)) else output
+                calls[name].append((i, _numpy(out)))
+            hooks.append(layer.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def result(calls: dict, stacks: dict) -> dict:
+    """``{stack: [float32 [positions, hidden] per layer]}`` from ``capture``'s record."""
+    out = {}
+    for name, record in calls.items():
+        layers: list[list] = [[] for _ in stacks[name]]
+        for i, value in record:
+            layers[i].append(value)
+        out[name] = [np.concatenate(parts, axis=0) if parts else None for parts in layers]
+    return out
+
+
+def layer_metrics(ref: np.ndarray, mlx: np.ndarray) -> dict:
+    a = np.asarray(ref, np.float64)
+    b = np.asarray(mlx, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"hidden states of shape {list(b.shape)} vs the reference's {list(a.shape)}")
+    d = np.abs(a - b)
+    na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
+    dot = (a * b).sum(-1)
+    both = (na > 0) & (nb > 0)
+    cos = np.where(both, dot / np.where(both, na * nb, 1.0), np.where((na == 0) & (nb == 0), 1.0, 0.0))
+    scale = float(np.abs(a).max()) or 1.0
+    return dict(max_abs=float(d.max()), mean_abs=float(d.mean()), cosine_min=float(cos.min()),
+                cosine_mean=float(cos.mean()), rel_max=float(d.max()) / scale)
+
+
+def agreement(ref: dict, mlx: dict, prec: Precision, overrides: Optional[dict] = None,
+              note: str = "") -> dict:
+    """Per case, stack and layer metrics of ``ref`` vs ``mlx`` (``{case: {stack:
+    [arrays]}}``), and the first layer (cases, then stacks, in order) whose
+    cosine drops below the bound."""
+    cls, bounds, _ = thresholds_for("layers", prec.label, prec.compute_dtype, prec.bits, overrides)
+    bound = bounds.get("cosine_min", (">=", None))[1]
+    cases, first = {}, None
+    for case, stacks in ref.items():
+        if case not in mlx:
+            continue
+        rows, case_first = {}, None
+        for stack, layers in stacks.items():
+            theirs = mlx[case].get(stack) or []
+            rows[stack] = []
+            for i, (r, m) in enumerate(zip(layers, theirs)):
+                if r is None or m is None:
+                    continue
+                row = dict(layer=i, **layer_metrics(r, m))
+                rows[stack].append(row)
+                if case_first is None and bound is not None and row["cosine_min"] < bound:
+                    case_first = dict(stack=stack, layer=i, cosine_min=row["cosine_min"], max_abs=row["max_abs"])
+        cases[case] = dict(stacks=rows, first_divergence=case_first)
+        if first is None and case_first is not None:
+            first = dict(case=case, **case_first)
+    worst = None
+    for case, c in cases.items():
+        for stack, rows in c["stacks"].items():
+            for row in rows:
+                if worst is None or row["cosine_min"] < worst["cosine_min"]:
+                    worst = dict(case=case, stack=stack, layer=row["layer"], cosine_min=row["cosine_min"],
+                                 max_abs=row["max_abs"])
+    return dict(precision_class=cls, threshold={"cosine_min": bound}, cases=cases, first_divergence=first,
+                worst=worst, note=note)
+
+
+def _cos(x: float) -> str:
+    """A cosine, with the distance from 1 shown when it is close."""
+    return f"1-{1 - x:.1e}" if 0.9999 <= x < 1 else f"{x:.6g}"
+
+
+def describe(summary: dict) -> str:
+    """One line: where agreement first drops, or that every layer agrees."""
+    if not summary or not summary.get("cases"):
+        return "no hidden states"
+    n = sum(len(rows) for c in summary["cases"].values() for rows in c["stacks"].values())
+    bound = summary["threshold"]["cosine_min"]
+    first, worst = summary.get("first_divergence"), summary.get("worst")
+    if first:
+        return (f"first below cos {bound}: {first['case']} {first['stack']} layer {first['layer']} "
+                f"(cos min {_cos(first['cosine_min'])}, max|Δ| {first['max_abs']:.3g})")
+    text = f"all {n} layer outputs agree"
+    if bound is not None:
+        text += f" (cos ≥ {bound})"
+    if worst:
+        text += (f"; worst {worst['case']} {worst['stack']} layer {worst['layer']}: cos min "
+                 f"{_cos(worst['cosine_min'])}, max|Δ| {worst['max_abs']:.3g}")
+    return text
