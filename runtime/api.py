@@ -7,6 +7,9 @@
         print(event.reasoning or event.text, end="", flush=True)
     result = api.generate(loaded, ids, {"max_tokens": 64})
 
+    # Many prompts in shared forwards, each with its own options (same results as alone).
+    results = api.generate_batch(loaded, [ids, other_ids], [{"seed": 0}, {"seed": 1, "max_tokens": 32}])
+
     # Images (DiffusionGemma with a vision tower): paths, bytes, data: URLs or PIL images.
     inputs = api.encode_inputs(loaded, "What is in this picture?", images=["cat.png"])
     result = api.generate(loaded, inputs, {"max_tokens": 64})
@@ -195,7 +198,9 @@ def stream_generate(
     family's loop; every family takes ``watch(block_index, step, token_ids)``
     (the canvas/block after each step) and ``prefix`` (a
     ``dlm.runtime.generate.PrefixState`` kept across runs, as ``dlm-run chat``
-    does); ``on_step`` is the family's own parity hook."""
+    does), and ``step_trace`` (a ``dlm.runtime.trace.Trace`` that records every
+    denoising step, as ``dlm-run generate --trace`` does); ``on_step`` is the
+    family's own parity hook."""
     gen = loaded.family.generation()
     settings = gen.Settings.from_options(dict(options or {}), loaded.args, loaded.generation_config)
     ids, images = split_prompt(prompt)
@@ -209,15 +214,65 @@ def generate(
     cancel: Optional[Callable[[], bool]] = None, **hooks,
 ) -> GenerationResult:
     result = GenerationResult()
-    text, reasoning = [], []
     for event in stream_generate(loaded, prompt, options, cancel, **hooks):
-        text.append(event.text)
-        reasoning.append(event.reasoning)
-        if event.done:
-            result.finish_reason = event.finish_reason
-            result.stats = event.stats or GenerationStats()
-        else:
-            result.token_ids.extend(event.token_ids)
-            result.blocks.append(list(event.token_ids))
-    result.text, result.reasoning = "".join(text), "".join(reasoning)
+        _take(result, event)
     return result
+
+
+def _take(result: GenerationResult, event: GenerationEvent) -> None:
+    result.text += event.text
+    result.reasoning += event.reasoning
+    if event.done:
+        result.finish_reason = event.finish_reason
+        result.stats = event.stats or GenerationStats()
+    else:
+        result.token_ids.extend(event.token_ids)
+        result.blocks.append(list(event.token_ids))
+
+
+def stream_generate_batch(
+    loaded: LoadedModel, prompts: list, options=None, *, max_batch: Optional[int] = None,
+    memory_budget: Optional[float] = None, cancel: Optional[list] = None,
+) -> Iterator[tuple[int, GenerationEvent]]:
+    """Generate for many prompts at once (dlm.runtime.batch): (prompt index,
+    event) pairs as canvases/blocks commit, each prompt's final event last.
+    ``options``: one dict for every prompt, or a list with one per prompt
+    (seed, max_tokens, sampler settings...); ``cancel``: None or a list of
+    callables (or None), one per prompt. Every prompt gets what
+    ``stream_generate`` gives it alone. Up to ``max_batch`` prompts (default
+    ``dlm.runtime.batch.DEFAULT_MAX_BATCH``) run together, within the memory
+    budget; the rest wait their turn. Bad prompts or options raise
+    GenerationError, naming the prompt, before anything runs."""
+    from .batch import DEFAULT_MAX_BATCH, Batcher
+
+    prompts = list(prompts)
+    per = list(options) if isinstance(options, (list, tuple)) else [options] * len(prompts)
+    cancels = list(cancel) if cancel is not None else [None] * len(prompts)
+    if len(per) != len(prompts) or len(cancels) != len(prompts):
+        raise GenerationError(f"{len(prompts)} prompts need as many options and cancel entries "
+                              f"(got {len(per)} and {len(cancels)})")
+    batcher = Batcher(loaded, max_batch or DEFAULT_MAX_BATCH, memory_budget)
+    for i, (prompt, opts, stop) in enumerate(zip(prompts, per, cancels)):
+        try:
+            batcher.add(prompt, opts, stop, key=i)
+        except GenerationError as exc:
+            raise GenerationError(f"prompt {i}: {exc}") from None
+    for entry, event in batcher.run():
+        yield entry.key, event
+
+
+def generate_batch(
+    loaded: LoadedModel, prompts: list, options=None, *, max_batch: Optional[int] = None,
+    memory_budget: Optional[float] = None, cancel: Optional[list] = None,
+    on_event: Optional[Callable[[int, GenerationEvent], None]] = None,
+) -> list[GenerationResult]:
+    """``generate`` for many prompts in shared forwards: one GenerationResult per
+    prompt, in order, each what ``generate`` returns for it alone (see
+    ``stream_generate_batch``; ``on_event(index, event)`` sees every event)."""
+    results = [GenerationResult() for _ in prompts]
+    for i, event in stream_generate_batch(loaded, prompts, options, max_batch=max_batch,
+                                          memory_budget=memory_budget, cancel=cancel):
+        _take(results[i], event)
+        if on_event is not None:
+            on_event(i, event)
+    return results

@@ -13,7 +13,9 @@ import time
 
 import click
 
-from . import blas
+from . import blas, trace_html
+from . import trace as step_trace
+from .batch_cli import batch_options, check_flags, read_prompts, run_prompts_file
 from .console import Group, LiveView, check_text, fail, model_options, read_stdin
 from .errors import DlmError
 from .images import open_file
@@ -86,6 +88,7 @@ def compute_line(loaded) -> str:
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="Ask the chat template for the thinking channel.")
 @click_options()
+@batch_options
 @click.option("--image", multiple=True, metavar="PATH",
               help="An image file (PNG, JPEG, WebP, GIF: its first frame) for a model with a vision tower; "
                    "repeat for several, placed before the prompt text in that order.")
@@ -94,15 +97,33 @@ def compute_line(loaded) -> str:
 @click.option("--profile", is_flag=True, help="Print throughput, steps per canvas and peak memory to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--verbose", is_flag=True, help="Show every canvas/block after each denoising step on stderr.")
+@click.option("--trace", "trace_path", default=None, metavar="FILE.html",
+              help="Write every canvas/block and denoising step (tokens, accepted/revealed/renoised/edited "
+                   "positions, entropy or confidence, temperature, why it stopped) to one self-contained "
+                   "HTML page.")
 def generate(model_path, revision, prompt, prompt_ids, system, chat_template, thinking, image, audio, video,
-             profile, as_json, verbose, trust_remote_code, compute_dtype, **options):
+             profile, as_json, verbose, trace_path, trust_remote_code, compute_dtype, **options):
     """Generate text with a converted model.
 
     Output streams to stdout as canvases commit; reasoning (the thinking
-    channel) goes to stderr. Exit status 1 on a bad model or request."""
+    channel) goes to stderr. Exit status 1 on a bad model or request.
+    --prompts-file: many prompts generated together (batch_cli.py)."""
     from . import api
 
+    prompts_file, output, max_batch = (options.pop(k) for k in ("prompts_file", "output", "max_batch"))
     try:
+        check_flags(prompts_file, output, max_batch, {
+            "--prompt": prompt, "--prompt-ids": prompt_ids, "--image": image, "--json": as_json,
+            "--verbose": verbose, "--trace": trace_path})
+        if prompts_file is not None:
+            items = read_prompts(prompts_file)  # before the (slow) model load
+            loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
+                              compute_dtype=compute_dtype)
+            run_prompts_file(loaded, prompts_file, items, output,
+                             {k: v for k, v in options.items() if v is not None},
+                             {"system": system, "chat_template": chat_template, "thinking": thinking},
+                             max_batch, profile)
+            return
         if audio or video:
             raise DlmError(f"{'audio' if audio else 'video'} input is not supported by dlm-run")
         ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
@@ -113,6 +134,7 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
                                    "raw ids carry no image")
         # Files only (a URL is a name like any other), read before the (slow) model load.
         pictures = [open_file(path, f"--image {path}") for path in image]
+        trace_path = trace_html.check_path(trace_path) if trace_path else None
         loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
                           compute_dtype=compute_dtype)
         if pictures:
@@ -133,7 +155,11 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
                 ids = prompt_input = api.encode_prompt(loaded, prompt, system=system,
                                                        chat_template=chat_template, enable_thinking=thinking)
         view = live_view(loaded) if verbose else None
-        events = api.stream_generate(loaded, prompt_input, options, **({"watch": view} if view else {}))
+        trace = step_trace.for_run(loaded) if trace_path else None
+        hooks = {**({"watch": view} if view else {}), **({"step_trace": trace} if trace else {})}
+        events = api.stream_generate(loaded, prompt_input, options, **hooks)
+        if trace is not None:
+            events = trace.follow(events)
         start = time.perf_counter()
         token_ids, text, reasoning, blocks = [], [], [], []
         final = None
@@ -168,6 +194,13 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
     if profile:
         for line in profile_lines(stats, loaded):
             click.echo(line, err=True)
+    if trace is not None:
+        try:
+            data = step_trace.run_data(trace, loaded, options, ids, profile_lines(stats, loaded),
+                                       thinking=thinking)
+            click.echo(f"trace: {trace_html.write(trace_path, data)}", err=True)
+        except DlmError as exc:
+            fail(str(exc))
 
 
 def _register() -> None:

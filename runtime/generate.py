@@ -93,45 +93,76 @@ class _NoText:
         return "", ""
 
 
+class Progress:
+    """One run's bookkeeping around its session: the token budget, trimming at
+    the budget and at the first stop token, the thinking channel, the stats and
+    the final event. ``run`` drives one session with it; the batch scheduler
+    (dlm.runtime.batch) drives many, one committed canvas/block at a time."""
+
+    def __init__(self, session: Session, loaded, prompt_ids: list[int]):
+        tokenizer = getattr(loaded, "tokenizer", None)
+        self.session = session
+        self.text = (ChannelParser(tokenizer, prompt_ids, session.skip_special_tokens)
+                     if tokenizer is not None else _NoText())
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_name=session.block_name)
+        self.produced, self.finish = 0, "length"
+        self.done = self.produced >= session.budget
+
+    @property
+    def remaining(self) -> int:
+        return self.session.budget - self.produced
+
+    def prefilled(self, seconds: float) -> None:
+        """Record the prefill (``seconds`` include the vision encoder, reported apart)."""
+        session, stats = self.session, self.stats
+        stats.vision_seconds = getattr(session, "vision_seconds", 0.0)
+        stats.image_tokens = getattr(session, "image_tokens", 0)
+        stats.prompt_seconds = seconds - stats.vision_seconds
+        stats.cached_prompt_tokens = getattr(session, "cached_tokens", 0)
+
+    def commit(self, block: Block) -> Optional[GenerationEvent]:
+        """Take one block the session finished: its event, or None when it was
+        cancelled. Sets ``done`` once the run is over."""
+        stats = self.stats
+        stats.forwards += block.steps
+        if block.cancelled:
+            self.finish, self.done = "cancelled", True
+            return None
+        stats.steps_per_block.append(block.steps)
+        stats.early_stops += int(block.stopped_early)
+        tokens, stopped = trim(block.tokens, self.remaining, self.session.stop_ids)
+        self.produced += len(tokens)
+        stats.completion_tokens = self.produced
+        answer, reasoning = self.text.feed(tokens)
+        if stopped:
+            self.finish = "stop"
+        # A session that commits nothing would never reach the budget.
+        self.done = stopped or not block.tokens or self.produced >= self.session.budget
+        return GenerationEvent(token_ids=tokens, text=answer, reasoning=reasoning)
+
+    def final(self, generation_seconds: float, peak_memory_gb: float) -> GenerationEvent:
+        stats = self.stats
+        stats.completion_tokens = self.produced
+        stats.generation_seconds = generation_seconds
+        stats.peak_memory_gb = peak_memory_gb
+        answer, reasoning = self.text.flush()
+        return GenerationEvent(text=answer, reasoning=reasoning, finish_reason=self.finish, stats=stats)
+
+
 def run(session: Session, loaded, prompt_ids: list[int],
         cancel: Optional[Callable[[], bool]] = None) -> Iterator[GenerationEvent]:
     """Events: one per committed canvas/block (its tokens and text deltas, in
     sequence order), then the final one with finish_reason ("stop" | "length" |
     "cancelled") and stats. The session polls ``cancel`` once per step."""
-    tokenizer = getattr(loaded, "tokenizer", None)
-    text = (ChannelParser(tokenizer, prompt_ids, session.skip_special_tokens)
-            if tokenizer is not None else _NoText())
-    stats = GenerationStats(prompt_tokens=len(prompt_ids), block_name=session.block_name)
+    progress = Progress(session, loaded, prompt_ids)
     mx.reset_peak_memory()
     start = time.perf_counter()
     session.prefill()
-    stats.vision_seconds = getattr(session, "vision_seconds", 0.0)
-    stats.image_tokens = getattr(session, "image_tokens", 0)
-    stats.prompt_seconds = time.perf_counter() - start - stats.vision_seconds
-    stats.cached_prompt_tokens = getattr(session, "cached_tokens", 0)
+    progress.prefilled(time.perf_counter() - start)
 
     start = time.perf_counter()
-    produced, finish = 0, "length"
-    while produced < session.budget:
-        block = session.next_block(session.budget - produced)
-        stats.forwards += block.steps
-        if block.cancelled:
-            finish = "cancelled"
-            break
-        stats.steps_per_block.append(block.steps)
-        stats.early_stops += int(block.stopped_early)
-        tokens, stopped = trim(block.tokens, session.budget - produced, session.stop_ids)
-        produced += len(tokens)
-        stats.completion_tokens = produced
-        answer, reasoning = text.feed(tokens)
-        yield GenerationEvent(token_ids=tokens, text=answer, reasoning=reasoning)
-        if stopped:
-            finish = "stop"
-            break
-        if not block.tokens:  # a session that commits nothing would never reach the budget
-            break
-    stats.completion_tokens = produced
-    stats.generation_seconds = time.perf_counter() - start
-    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-    answer, reasoning = text.flush()
-    yield GenerationEvent(text=answer, reasoning=reasoning, finish_reason=finish, stats=stats)
+    while not progress.done:
+        event = progress.commit(session.next_block(progress.remaining))
+        if event is not None:
+            yield event
+    yield progress.final(time.perf_counter() - start, mx.get_peak_memory() / 1e9)

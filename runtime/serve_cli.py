@@ -14,7 +14,7 @@ from .errors import DlmError
 from .options import click_options
 from .images import (DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_URL_MAX_BYTES, DEFAULT_URL_TIMEOUT,
                      ImageLimits, RemoteImages)
-from .server import DEFAULT_IMAGE_BODY_BYTES, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
+from .server import DEFAULT_IMAGE_BODY_BYTES, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
 
 # The generation flags of `dlm-run generate`, here as request defaults (a
 # request's own fields win), built from the same declarations.
@@ -65,7 +65,10 @@ def _is_loopback(host: str) -> bool:
 @click.option("--api-key", envvar="DLM_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on every request (or set DLM_API_KEY).")
 @click.option("--queue-size", default=DEFAULT_QUEUE_SIZE, show_default=True, type=click.IntRange(min=1),
-              help="Requests that may wait behind the running one; more are answered 429.")
+              help="Requests that may wait behind the running ones; more are answered 429.")
+@click.option("--max-batch", default=DEFAULT_MAX_BATCH, show_default=True, type=click.IntRange(min=1),
+              help="Requests generated together in shared forwards (each gets exactly what it gets "
+                   "alone; also bounded by the memory budget); 1: one request at a time.")
 @click.option("--max-body-bytes", default=None, type=click.IntRange(min=1024),
               help=f"Largest accepted request body (413 beyond) [{DEFAULT_MAX_BODY_BYTES}; "
                    f"{DEFAULT_IMAGE_BODY_BYTES} for a model that takes images].")
@@ -76,14 +79,15 @@ def _is_loopback(host: str) -> bool:
 @_image_options
 @_generation_options
 @_thinking
-def serve(model_path, revision, host, port, api_key, queue_size, max_body_bytes, model_id, log_level,
-          max_images, max_image_pixels, allow_image_urls, image_url_max_bytes, image_url_timeout,
+def serve(model_path, revision, host, port, api_key, queue_size, max_batch, max_body_bytes, model_id,
+          log_level, max_images, max_image_pixels, allow_image_urls, image_url_max_bytes, image_url_timeout,
           trust_remote_code, compute_dtype, thinking, **options):
     """Serve a converted model behind an OpenAI-compatible API.
 
     Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-    GET /health. One worker generates, one request at a time; the others wait
-    in a bounded queue. Generation flags set defaults for requests that do not
+    GET /health. One worker generates up to --max-batch requests together
+    (they join and leave between denoising steps); the others wait in a
+    bounded queue. Generation flags set defaults for requests that do not
     set them; extra request fields carry the diffusion controls
     (max_denoising_steps, diffusion_sampler, ..., block_length, threshold).
     A model with a vision tower takes image_url content parts in user
@@ -110,7 +114,8 @@ def serve(model_path, revision, host, port, api_key, queue_size, max_body_bytes,
             model_id = loaded.source  # a Hub repo id names the model better than its snapshot hash
         fetch = RemoteImages(image_url_max_bytes, image_url_timeout) if allow_image_urls else None
         app = create_app(loaded, {**defaults, "enable_thinking": thinking}, api_key=api_key,
-                         queue_size=queue_size, model_id=model_id, max_body_bytes=max_body_bytes,
+                         queue_size=queue_size, max_batch=max_batch, model_id=model_id,
+                         max_body_bytes=max_body_bytes,
                          images=ImageLimits(max_images, max_image_pixels, fetch))
     except DlmError as exc:
         click.echo(f"error: {exc}", err=True)
@@ -128,7 +133,7 @@ def serve(model_path, revision, host, port, api_key, queue_size, max_body_bytes,
     bound = sock.getsockname()[1]  # --port 0: the port the system chose
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"dlm-run serve: {app.state.server.model_id} at http://{shown}:{bound}/v1 "
-               f"(queue {queue_size}{', API key required' if api_key else ''})", err=True)
+               f"(batch {max_batch}, queue {queue_size}{', API key required' if api_key else ''})", err=True)
     run_server(app, sock, log_level)
 
 

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server for dlm models (``dlm-run serve``).
 
-FastAPI routes validate a request, tokenize it, and queue it on the single
-generation worker (``worker.py``); the response object then relays the worker's
+FastAPI routes validate a request, tokenize it, and queue it on the generation
+worker (``batch_worker.py``: up to ``max_batch`` requests generated together;
+``worker.py`` with ``max_batch`` 1); the response object then relays the worker's
 committed canvases/blocks to the client, as one JSON body or as SSE chunks.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
@@ -37,7 +38,7 @@ from .images import ImageError, ImageLimits, open_url
 from .inputs import PromptInputs
 from .server_requests import (OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat,
                               parse_completion)
-from .worker import GenerationWorker, Job, QueueFull, WorkerStopped
+from .worker import DEFAULT_MAX_BATCH, GenerationWorker, Job, QueueFull, WorkerStopped
 
 DEFAULT_QUEUE_SIZE = 16
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -303,7 +304,7 @@ class _Server:
     """State shared by the routes: the model, its defaults and the worker."""
 
     def __init__(self, loaded, defaults: dict, runtime, queue_size: int, model_id: str,
-                 max_body_bytes: Optional[int], images: ImageLimits):
+                 max_body_bytes: Optional[int], images: ImageLimits, max_batch: int = 1):
         self.loaded = loaded
         self.runtime = runtime
         defaults = dict(defaults or {})
@@ -324,7 +325,17 @@ class _Server:
         # Requests decode their images one at a time: what decoded images hold
         # at once stays under max_images x max_pixels.
         self.image_lock = threading.Lock()
-        self.worker = GenerationWorker(queue_size=queue_size, after_job=_clear_mlx_cache)
+        from . import api
+        from .batch import family_batch
+
+        # A runtime of the caller's own (tests), or a family without batching, runs each request alone.
+        if max_batch > 1 and runtime is api and family_batch(loaded) is not None:
+            from .batch_worker import BatchWorker
+
+            self.worker = BatchWorker(loaded, max_batch, self.defaults.get("memory_budget"),
+                                      queue_size=queue_size, after_job=_clear_mlx_cache)
+        else:
+            self.worker = GenerationWorker(queue_size=queue_size, after_job=_clear_mlx_cache)
 
     async def read_json(self, request: Request) -> Any:
         limit = self.max_body_bytes
@@ -421,7 +432,7 @@ class _Server:
             return runtime.stream_generate(loaded, prompt, options, cancel=cancel)
 
         try:
-            job = self.worker.submit(run)
+            job = self.worker.submit(run, request=(prompt, options))
         except QueueFull as exc:
             raise RequestError(429, str(exc), err_type="rate_limit_error") from None
         except WorkerStopped as exc:
@@ -468,7 +479,7 @@ def _clear_mlx_cache() -> None:
 def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
                queue_size: int = DEFAULT_QUEUE_SIZE, *, model_id: str | None = None,
                max_body_bytes: int | None = None, images: ImageLimits | None = None,
-               runtime=None) -> FastAPI:
+               runtime=None, max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
     """Build the ASGI app serving ``loaded`` (a runtime ``LoadedModel``).
 
     ``defaults``: generation options (snake_case ``dlm-run generate`` flag
@@ -480,14 +491,16 @@ def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
     ``images``: the per-request image limits (default ``ImageLimits()``: 8
     images of 50 megapixels, data: URLs only).  ``runtime``: the module
     providing ``encode_prompt`` / ``encode_inputs`` / ``stream_generate``
-    (default ``dlm.runtime.api``).
+    (default ``dlm.runtime.api``). ``max_batch``: requests generated together
+    in shared forwards (``dlm.runtime.batch_worker``; each gets what it would
+    get alone); 1, or a runtime of the caller's own, runs one request at a time.
     """
     if runtime is None:
         from . import api as runtime
     if model_id is None:
         model_id = Path(str(getattr(loaded, "path", "model"))).name or "model"
     server = _Server(loaded, defaults or {}, runtime, queue_size, model_id, max_body_bytes,
-                     images or ImageLimits())
+                     images or ImageLimits(), max_batch)
 
     async def check_key(request: Request) -> None:
         if api_key is None or request.url.path == "/health":  # health probes carry no key

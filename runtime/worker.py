@@ -1,8 +1,8 @@
-"""The server's single generation worker.
+"""The server's serial generation worker (``dlm-run serve --max-batch 1``;
+batch_worker.py batches requests on the same queue).
 
-Diffusion models do not join a continuous-batching scheduler: one dedicated
-thread runs every generation, one request at a time, so MLX work never
-interleaves (and a request's ``seed`` may safely reseed the global MLX RNG).
+One dedicated thread runs every generation, one request at a time, so MLX work
+never interleaves (and a request's ``seed`` may safely reseed the global MLX RNG).
 Requests wait in a bounded queue; a full queue is refused at once (the server
 answers 429) instead of letting callers hang.
 
@@ -27,6 +27,11 @@ from typing import Any, Callable, Iterable, Optional
 # run(cancel) -> iterable of items; cancel() -> True once the job should stop.
 RunFn = Callable[[Callable[[], bool]], Iterable[Any]]
 
+# Requests generated together by the batching worker (batch_worker.py) and
+# api.generate_batch. Measured on the project's 2-core CPU (scripts/bench_serve.py,
+# README "Batched serving"): see there for why 8.
+DEFAULT_MAX_BATCH = 8
+
 
 class QueueFull(Exception):
     """The worker's queue is at capacity."""
@@ -39,8 +44,9 @@ class WorkerStopped(Exception):
 class Job:
     """One request's generation, as seen by both the worker and the handler."""
 
-    def __init__(self, run: RunFn, loop: asyncio.AbstractEventLoop):
+    def __init__(self, run: RunFn, loop: asyncio.AbstractEventLoop, request: Any = None):
         self.run = run
+        self.request = request  # (prompt, options) for a batching worker (batch_worker.py); None: run alone
         self._loop = loop
         self._messages: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
@@ -111,9 +117,10 @@ class GenerationWorker:
         self._thread.start()
 
     # -- public API --------------------------------------------------------
-    def submit(self, run: RunFn, loop: asyncio.AbstractEventLoop | None = None) -> Job:
-        """Queue a job; raises QueueFull when ``queue_size`` jobs already wait."""
-        job = Job(run, loop or asyncio.get_running_loop())
+    def submit(self, run: RunFn, loop: asyncio.AbstractEventLoop | None = None, request: Any = None) -> Job:
+        """Queue a job; raises QueueFull when ``queue_size`` jobs already wait.
+        ``request``: what a batching worker needs to batch it (this one runs ``run``)."""
+        job = Job(run, loop or asyncio.get_running_loop(), request)
         with self._cond:
             if self._stopping:
                 raise WorkerStopped("the server is shutting down")

@@ -1,132 +1,176 @@
-"""Benchmark dlm-run serve on loopback: serial latency, concurrent load (queueing
-included), and cancellation latency after a client hangs up mid-stream.
+"""Benchmark dlm-run serve on loopback: batched (--max-batch N) against serial
+(--max-batch 1) serving of the same model and the same requests at 1, 2, 4 and
+8 concurrent clients (aggregate committed tokens/s, p50/p95 latency), and the
+time a server takes to free itself after a client hangs up mid-stream.
 
-Run from the repository root, as a module (it shares code with scripts/ or tests/):
+Run from the repository root, as a module (it shares code with tests/):
 
     .venv/bin/python -m scripts.bench_serve --model path/to/mlx-model
     .venv/bin/python -m scripts.bench_serve --tiny          # a tiny random DiffusionGemma
+    .venv/bin/python -m scripts.bench_serve --tiny --family llada2
 
-Numbers depend on the machine, the model and the prompt; the serial worker means
-concurrency adds queueing, not throughput.
+Both servers are ``dlm-run serve`` processes of their own (the clients here
+share no interpreter with them). Each client sends ``--requests`` chat
+requests one after the other (a closed loop; every request its own seed, the
+same list for both servers). The servers take turns, never running at once, in
+``--rounds`` interleaved rounds (serial, batched, serial, ...): a shared
+machine drifts, so each figure is the median over the rounds. The batched
+answers are checked to equal the serial ones, request by request.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import socket
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import uvicorn
 
-from dlm.runtime import api
-from dlm.runtime.server import create_app
-from tests.builders import build_diffusion_gemma, convert_dir
+from dlm.runtime.worker import DEFAULT_MAX_BATCH
+from tests.builders import build_diffusion_gemma, build_llada2, convert_dir
 
 
-def start(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+def start(model: Path, max_batch: int, args, log: Path) -> tuple[subprocess.Popen, str]:
+    """A ``dlm-run serve`` process on a free port (its stderr in ``log``); (process, base URL)."""
+    cmd = [str(Path(sys.executable).parent / "dlm-run"), "serve", "--model", str(model), "--port", "0",
+           "--max-batch", str(max_batch), "--queue-size", str(args.queue_size), "--log-level", "warning",
+           "--max-tokens", str(args.max_tokens), "--max-denoising-steps", str(args.steps)]
+    proc = subprocess.Popen(cmd, stderr=log.open("w"), text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+        if m:
+            return proc, m.group(1)
+        time.sleep(0.05)
+    raise RuntimeError(f"dlm-run serve did not start: {log.read_text()[-2000:]}")
 
 
-def tiny_model(root: Path) -> Path:
-    build_diffusion_gemma(root / "hf", form="hub")
-    return convert_dir(root / "hf", root / "tiny-dg", text_only=True)
+def tiny_model(root: Path, family: str) -> Path:
+    if family == "llada2":
+        build_llada2(root / "hf", "base")
+    else:
+        build_diffusion_gemma(root / "hf", form="hub")
+    return convert_dir(root / "hf", root / "tiny", text_only=family != "llada2")
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def load_test(base, clients: int, requests: int, msgs) -> dict:
+    """``clients`` closed-loop clients, ``requests`` each: wall, tokens, latencies, answers."""
+
+    def client(c):
+        out = []
+        with httpx.Client(base_url=base, timeout=600) as h:
+            for k in range(requests):
+                t = time.perf_counter()
+                r = h.post("/v1/chat/completions", json={"messages": msgs, "seed": c * 1000 + k})
+                r.raise_for_status()
+                body = r.json()
+                out.append((time.perf_counter() - t, body["usage"]["completion_tokens"],
+                            (c, k, body["choices"][0]["message"]["content"])))
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        res = [x for f in [pool.submit(client, c) for c in range(clients)] for x in f.result()]
+    wall = time.perf_counter() - t0
+    lat = [r[0] for r in res]
+    return {"tokens_per_s": sum(r[1] for r in res) / wall, "p50_s": percentile(lat, 0.5),
+            "p95_s": percentile(lat, 0.95), "answers": sorted(r[2] for r in res)}
+
+
+def compare(bases: dict, clients_list, requests: int, rounds: int, msgs) -> list[dict]:
+    rows = []
+    for clients in clients_list:
+        runs = {name: [] for name in bases}
+        for _ in range(rounds):
+            for name, base in bases.items():  # interleaved: serial, batched, serial, batched, ...
+                runs[name].append(load_test(base, clients, requests, msgs))
+        answers = {name: r[0]["answers"] for name, r in runs.items()}
+        assert answers["batched"] == answers["serial"], "batched answers differ from serial ones"
+        row = {"clients": clients, "requests": clients * requests}
+        for name, r in runs.items():
+            for key in ("tokens_per_s", "p50_s", "p95_s"):
+                row[f"{name}_{key}"] = statistics.median(x[key] for x in r)
+        row["throughput_ratio"] = row["batched_tokens_per_s"] / row["serial_tokens_per_s"]
+        row["p95_ratio"] = row["batched_p95_s"] / row["serial_p95_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def busy(h) -> bool:
+    return h.get("/health").json()["worker"]["busy"]
+
+
+def cancels(base, n: int, msgs) -> list[dict]:
+    """Hang up a long stream after its first committed canvas/block; how long the
+    server takes to be idle again (polling /health)."""
+    out = []
+    with httpx.Client(base_url=base, timeout=600) as h:
+        for i in range(n):
+            body = {"messages": msgs, "seed": i, "stream": True, "max_tokens": 1024}
+            with h.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                        break
+            t = time.perf_counter()
+            while busy(h):
+                time.sleep(0.001)
+            out.append({"hang_up_to_idle_ms": (time.perf_counter() - t) * 1e3})
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="converted MLX model directory")
-    p.add_argument("--tiny", action="store_true", help="build and serve a tiny random DiffusionGemma")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--tiny", action="store_true", help="build and serve a tiny random model")
+    p.add_argument("--family", choices=("diffusion_gemma", "llada2"), default="diffusion_gemma",
+                   help="the family of --tiny")
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=8, help="max_denoising_steps")
-    p.add_argument("--serial", type=int, default=10, help="serial requests")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--requests", type=int, default=4, help="requests per concurrent client")
+    p.add_argument("--clients", default="1,2,4,8", help="concurrent clients to compare at")
+    p.add_argument("--requests", type=int, default=4, help="requests per client")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="the batched server's --max-batch")
     p.add_argument("--queue-size", type=int, default=16)
     p.add_argument("--cancels", type=int, default=3, help="streams hung up after the first commit")
+    p.add_argument("--json", dest="json_out", help="also write the results here")
     args = p.parse_args()
     if not args.model and not args.tiny:
         p.error("give --model DIR or --tiny")
-    model = Path(args.model) if args.model else tiny_model(Path(tempfile.mkdtemp()))
-
-    loaded = api.load(model)
-    app = create_app(loaded, {"max_tokens": args.max_tokens, "max_denoising_steps": args.steps},
-                     queue_size=args.queue_size)
-    worker = app.state.worker
-    server, thread, base = start(app)
+    model = Path(args.model) if args.model else tiny_model(Path(tempfile.mkdtemp()), args.family)
+    clients = [int(c) for c in args.clients.split(",")]
+    logs = Path(tempfile.mkdtemp())
+    servers = {"serial": start(model, 1, args, logs / "serial.log"),
+               "batched": start(model, args.max_batch, args, logs / "batched.log")}
+    bases = {name: base for name, (_, base) in servers.items()}
     msgs = [{"role": "user", "content": "Explain why the sky is blue in two sentences."}]
-    out: dict = {"model": str(model), "max_tokens": args.max_tokens, "max_denoising_steps": args.steps}
+    out: dict = {"model": str(model), "max_tokens": args.max_tokens, "max_denoising_steps": args.steps,
+                 "max_batch": args.max_batch, "requests_per_client": args.requests, "rounds": args.rounds}
     try:
-        with httpx.Client(base_url=base, timeout=600) as h:
-            h.post("/v1/chat/completions", json={"messages": msgs, "seed": 0})  # warm-up
-            lat, toks = [], 0
-            for i in range(args.serial):
-                t = time.perf_counter()
-                r = h.post("/v1/chat/completions", json={"messages": msgs, "seed": i}).json()
-                lat.append(time.perf_counter() - t)
-                toks += r["usage"]["completion_tokens"]
-        out["serial"] = {"requests": args.serial, "p50_s": statistics.median(lat), "max_s": max(lat),
-                         "completion_tokens_per_s": toks / sum(lat)}
-
-        def client(c):
-            res = []
-            with httpx.Client(base_url=base, timeout=600) as h:
-                for k in range(args.requests):
-                    t = time.perf_counter()
-                    r = h.post("/v1/chat/completions", json={"messages": msgs, "seed": c * 100 + k})
-                    res.append((r.status_code, time.perf_counter() - t,
-                                r.json().get("timings", {}).get("queue_seconds", 0.0),
-                                r.json().get("usage", {}).get("completion_tokens", 0)))
-            return res
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            res = [x for f in [pool.submit(client, c) for c in range(args.clients)] for x in f.result()]
-        wall = time.perf_counter() - t0
-        ok = [r for r in res if r[0] == 200]
-        out["concurrent"] = {
-            "clients": args.clients, "requests": len(res), "ok": len(ok),
-            "rejected_429": sum(r[0] == 429 for r in res), "wall_s": wall,
-            "requests_per_s": len(ok) / wall, "completion_tokens_per_s": sum(r[3] for r in ok) / wall,
-            "p50_latency_s": statistics.median(r[1] for r in ok),
-            "mean_queue_s": statistics.mean(r[2] for r in ok), "max_queue_s": max(r[2] for r in ok),
-        }
-
-        cancels = []
-        for i in range(args.cancels):
-            with httpx.Client(base_url=base, timeout=600) as h:
-                body = {"messages": msgs, "seed": i, "stream": True, "max_tokens": 1024}
-                with h.stream("POST", "/v1/chat/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                            break
-            worker.wait_idle(600)
-            job = worker.last_job
-            if (job.cancelled_at is None or job.polls <= job.polls_after_cancel
-                    or getattr(job.last_item, "finish_reason", None) not in (None, "cancelled")):
-                continue  # ended on its own (EOS) before the hang-up was seen
-            step = (job.cancelled_at - job.started_at) / (job.polls - job.polls_after_cancel)
-            cancels.append({"mean_step_ms": step * 1e3,
-                            "cancel_to_free_ms": (job.finished_at - job.cancelled_at) * 1e3,
-                            "polls_after_cancel": job.polls_after_cancel})
-        out["cancel"] = cancels
+        for base in bases.values():  # warm-up: compile traces for the shapes both will see
+            load_test(base, max(clients), 1, msgs)
+        out["compare"] = compare(bases, clients, args.requests, args.rounds, msgs)
+        out["cancel"] = {name: cancels(base, args.cancels, msgs) for name, base in bases.items()}
     finally:
-        server.should_exit = True
-        thread.join(30)
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
     print(json.dumps(out, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

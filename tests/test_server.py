@@ -448,7 +448,7 @@ def test_api_key_is_required_on_every_route(dg, serving):
 
 # `dlm-run generate` parameters about the prompt and the output, not the generation.
 PROMPT_PARAMS = {"model_path", "prompt", "prompt_ids", "system", "chat_template", "image", "audio",
-                 "video", "profile", "as_json", "verbose"}
+                 "video", "profile", "as_json", "verbose", "prompts_file", "output", "trace_path"}
 
 
 def test_serve_takes_generates_generation_flags():

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from . import sampling as S
+from .trace import summarise_step
 
 
 @dataclass
@@ -150,6 +151,7 @@ class _Step:
     revealed: mx.array
     sc_logits: mx.array
     stop: Optional[mx.array]  # None: cannot stop after this step
+    summary: Optional[dict] = None  # --trace only (trace.summarise_step)
 
     def outputs(self, last: bool = False) -> list[mx.array]:
         """What to evaluate: the last step of a canvas only needs its argmax (the commit)."""
@@ -160,8 +162,10 @@ class _Step:
 
 
 def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_logits, revealed, history,
-                cur_step: int) -> _Step:
-    """The lazy graph of one denoising step (nothing is evaluated here)."""
+                cur_step: int, summarise: bool = False) -> _Step:
+    """The lazy graph of one denoising step (nothing is evaluated here);
+    ``summarise``: also its per-position summary (--trace, trace.py)."""
+    revealed_in = revealed
     logits = decode(canvas, sc_logits)
     schedule = config.t_min is not None and config.t_max is not None
     t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
@@ -172,13 +176,18 @@ def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_logits, reveale
         canvas, revealed = _confidence_step(proc, canvas, revealed, sample, noise, config.threshold)
     else:
         canvas = _entropy_bound_step(entropy, sample, noise, config.entropy_bound)
-    stop = None
+    stop = done = None
     if config.stability_threshold is not None and config.confidence_threshold is not None:
         stop = _stable_and_confident(argmax, history, entropy, config)
+    settled = stop
     if config.sampler == S.CONFIDENCE_THRESHOLD:
         done = mx.all(revealed)
         stop = done if stop is None else stop | done
-    return _Step(logits, argmax, canvas, revealed, proc.astype(config.sc_dtype), stop)
+    step = _Step(logits, argmax, canvas, revealed, proc.astype(config.sc_dtype), stop)
+    if summarise:
+        step.summary = summarise_step(config, t, argmax, proc, entropy, canvas, revealed_in, revealed,
+                                      settled, done)
+    return step
 
 
 def denoise_canvas(
@@ -190,11 +199,14 @@ def denoise_canvas(
     batch: int = 1,
     cancel: Optional[Callable[[], bool]] = None,
     on_step: Optional[StepHook] = None,
+    on_summary: Optional[Callable[[int, dict], None]] = None,
 ) -> CanvasResult:
     """Run the denoising loop for one canvas of ``length`` positions.
 
     ``on_step(step_index, logits, argmax)`` (optional) sees every step's raw
-    float32 logits [B, L, V] and argmax [B, L] (parity traces).
+    float32 logits [B, L, V] and argmax [B, L] (parity traces);
+    ``on_summary(step_index, summary)`` (optional, --trace) its per-position
+    summary (trace.summarise_step); without it no summary is built.
 
     Pipelined: step t runs (async_eval) while the host builds step t+1's graph;
     step t+1 is evaluated only once step t's stop flag (the one host sync) says
@@ -205,14 +217,17 @@ def denoise_canvas(
         return CanvasResult(mx.zeros(shape, dtype=mx.int32), 0, False, cancelled=True)
     window = config.stability_threshold or 0
     history: list[mx.array] = []
+    summarise = on_summary is not None
     step = _build_step(decode, draws, config, draws.canvas(shape), None,
-                       mx.zeros(shape, dtype=mx.bool_), history, config.steps)
+                       mx.zeros(shape, dtype=mx.bool_), history, config.steps, summarise)
     mx.async_eval(*step.outputs(last=config.steps == 1))
     steps = 0
     for cur_step in range(config.steps, 0, -1):
         steps += 1
         if on_step is not None:
             on_step(steps - 1, step.logits, step.argmax)
+        if summarise:
+            on_summary(steps - 1, step.summary)
         if window:
             history = (history + [step.argmax])[-window:]
         if cur_step == 1:
@@ -221,7 +236,7 @@ def denoise_canvas(
             return CanvasResult(step.argmax, steps, False, cancelled=True)
         mark = draws.state()
         following = _build_step(decode, draws, config, step.canvas, step.sc_logits, step.revealed,
-                                history, cur_step - 1)
+                                history, cur_step - 1, summarise)
         if step.stop is not None and step.stop.item():  # the one host sync of a step
             draws.restore(mark)  # the step that did not run drew nothing
             return CanvasResult(step.argmax, steps, True)

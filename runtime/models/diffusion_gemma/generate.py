@@ -39,6 +39,7 @@ from .canvas import DebugDraws, DenoiseConfig, RandomDraws, StepHook, denoise_ca
 from .config import SLIDING
 from .model import image_blocks
 from .options import OPTIONS
+from .trace import CanvasTracer
 
 
 def _env_debug_canvas() -> bool:
@@ -117,8 +118,9 @@ class CanvasSession:
     def __init__(self, loaded, prompt_ids: list[int], settings: Settings,
                  cancel: Optional[Callable[[], bool]] = None, on_step: Optional[StepHook] = None,
                  prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
-                 images: Optional[list] = None):
+                 images: Optional[list] = None, step_trace=None):
         self.model, args = loaded.model, loaded.args
+        self.step_trace = step_trace  # a dlm.runtime.trace.Trace (--trace), or None
         self.prompt_ids = [int(t) for t in prompt_ids]
         check_prompt(self.prompt_ids, args)
         self.images = list(images or [])
@@ -242,10 +244,14 @@ class CanvasSession:
                 self.prefix.ids.extend(self.pending[0].tolist())
         length = S.canvas_length(remaining, s.min_canvas, s.max_canvas, s.full_canvas)
         self.canvas_index += 1
+        tracer = (None if self.step_trace is None
+                  else CanvasTracer(self.step_trace, self.canvas_index - 1, length, self.denoise))
         result = denoise_canvas(
             lambda c, sc: model.decode(c, cache, sc), self.draws, length, self.denoise,
-            cancel=self.cancel, on_step=self._step_hook(self.canvas_index - 1),
+            cancel=self.cancel, on_step=self._step_hook(self.canvas_index - 1), on_summary=tracer,
         )
+        if tracer is not None:
+            tracer.finish(result)
         if result.cancelled:
             return Block(steps=result.steps, cancelled=True)
         self.pending = result.tokens
@@ -259,14 +265,16 @@ def stream_generate(
     loaded, prompt_ids: list[int], settings: Settings,
     cancel: Optional[Callable[[], bool]] = None, *, on_step: Optional[StepHook] = None,
     prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
-    images: Optional[list] = None,
+    images: Optional[list] = None, step_trace=None,
 ) -> Iterator[GenerationEvent]:
     """Events: one per committed canvas (sequence order), then a final event.
 
     ``on_step(step_index, logits, argmax)``: optional per-step hook (parity traces);
     ``watch(canvas_index, step, token_ids)``: the canvas after every step (--verbose);
     ``prefix``: a PrefixState kept across runs (chat); ``images``: the
-    ImageInputs of a PromptInputs (their placeholders are in ``prompt_ids``).
+    ImageInputs of a PromptInputs (their placeholders are in ``prompt_ids``);
+    ``step_trace``: a dlm.runtime.trace.Trace that records every step (--trace).
     """
-    session = CanvasSession(loaded, prompt_ids, settings, cancel, on_step, prefix, watch, images)
+    session = CanvasSession(loaded, prompt_ids, settings, cancel, on_step, prefix, watch, images,
+                            step_trace=step_trace)
     return run(session, loaded, session.prompt_ids, cancel)

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...errors import ConfigError
+from ..rows import linear, per_sequence
 from ..switch import SwitchLinear, by_expert, cpu_float_experts, grouped
 from .config import SLIDING, ModelArgs
 
@@ -201,9 +202,9 @@ class Attention(nn.Module):
         """q, k, v as [B, heads, S, d]: normed, RoPE'd at positions offset.. (v: weightless norm)."""
         B, S, _ = x.shape
         d = self.head_dim
-        q = self.q_norm(self.q_proj(x).reshape(B, S, self.n_heads, d)).transpose(0, 2, 1, 3)
-        k_raw = self.k_proj(x).reshape(B, S, self.n_kv, d)
-        v_raw = self.v_proj(x).reshape(B, S, self.n_kv, d) if self.is_sliding else k_raw
+        q = self.q_norm(linear(self.q_proj, x).reshape(B, S, self.n_heads, d)).transpose(0, 2, 1, 3)
+        k_raw = linear(self.k_proj, x).reshape(B, S, self.n_kv, d)
+        v_raw = linear(self.v_proj, x).reshape(B, S, self.n_kv, d) if self.is_sliding else k_raw
         k = self.k_norm(k_raw).transpose(0, 2, 1, 3)
         v = rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)
         return self._rope(q, offset), self._rope(k, offset), v
@@ -225,7 +226,7 @@ class Attention(nn.Module):
 
     def output(self, attn: mx.array) -> mx.array:
         B, _, S, _ = attn.shape
-        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(B, S, -1))
+        return linear(self.o_proj, attn.transpose(0, 2, 1, 3).reshape(B, S, -1))
 
 
 class MLP(nn.Module):
@@ -236,7 +237,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+        return linear(self.down_proj, geglu(linear(self.gate_proj, x), linear(self.up_proj, x)))
 
 
 class Router(nn.Module):
@@ -252,7 +253,7 @@ class Router(nn.Module):
 
     def __call__(self, r: mx.array) -> tuple[mx.array, mx.array]:
         z = rms_norm(r, None, self.eps) * self["scale"].astype(r.dtype) * self.root
-        probs = mx.softmax(self.proj(z).astype(mx.float32), axis=-1)
+        probs = mx.softmax(linear(self.proj, z).astype(mx.float32), axis=-1)
         k = self.top_k
         idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
         w = mx.take_along_axis(probs, idx, axis=-1)
@@ -278,13 +279,20 @@ class Experts(nn.Module):
         h = self.gate_up_proj.dense(e, rows)
         return self.down_proj.dense(e, geglu(h[:, : self.inter], h[:, self.inter :]))
 
-    def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, idx: mx.array, weights: mx.array, sequences: int = 1) -> mx.array:
+        """``sequences``: ``x`` holds that many equal-length sequences' rows, in
+        order (batched generation): the kernel is the one each would get alone,
+        and grouped experts multiply each sequence's rows on their own (dlm.runtime.models.rows)."""
         N, K = idx.shape
         M = self.inter
         E = self.gate_up_proj["weight"].shape[0]
-        if grouped(idx.size, E, self.gate_up_proj, self.down_proj):
-            y = by_expert(x, idx, E, self._expert)
-        elif idx.size >= 64:
+        each = per_sequence(N, sequences) * K  # token copies of one sequence
+        if grouped(each, E, self.gate_up_proj, self.down_proj):
+            n = N // sequences
+            parts = [by_expert(x[i * n:(i + 1) * n], idx[i * n:(i + 1) * n], E, self._expert)
+                     for i in range(sequences)]
+            y = mx.concatenate(parts) if sequences > 1 else parts[0]
+        elif each >= 64:
             # Sort token copies by expert so gather_mm reads each expert once.
             flat = idx.flatten()
             order = mx.argsort(flat)
@@ -332,7 +340,8 @@ class DecoderLayer(nn.Module):
         h = x + self.post_attention_layernorm(self.self_attn.output(attn))
         m1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         flat = h.reshape(-1, h.shape[-1])
-        weights, idx = self.router(flat)  # routed on the raw residual
+        weights, idx = self.router(h)  # routed on the raw residual (per sequence: rows.linear)
+        weights, idx = weights.reshape(-1, weights.shape[-1]), idx.reshape(-1, idx.shape[-1])
         return h, m1, self.pre_feedforward_layernorm_2(flat), weights, idx
 
     def _combine(self, h: mx.array, m1: mx.array, m2: mx.array, scalar: mx.array) -> mx.array:
@@ -342,7 +351,7 @@ class DecoderLayer(nn.Module):
 
     def _finish(self, x: mx.array, attn: mx.array, scalar: mx.array) -> mx.array:
         h, m1, xe, weights, idx = self._mix(x, attn)
-        return self._combine(h, m1, self.experts(xe, idx, weights), scalar)
+        return self._combine(h, m1, self.experts(xe, idx, weights, x.shape[0]), scalar)
 
     def compiled(self):
         """The fixed-shape pieces fused with mx.compile: the denoiser calls them with
@@ -367,18 +376,53 @@ class DecoderLayer(nn.Module):
         """One layer (``compiled``: fused pieces; ``offset`` must then be an mx.array).
         ``attention_only`` (last encoder layer) only writes the cache
         and returns None: nothing downstream reads that layer's output.
-        ``blocks``: the encoder chunk's image block ids (bidirectional blocks)."""
+        ``blocks``: the encoder chunk's image block ids (bidirectional blocks).
+        ``cache`` may be a list, one cache per sequence of a decoder batch
+        (``offset``: their offsets, [B]): each sequence attends to its own prefix."""
         project, finish = self.compiled() if compiled else (self._project, self._finish)
         q, k, v = project(x, offset)
-        attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
+        if isinstance(cache, list):
+            attn = self._attend_each(q, k, v, cache)
+        else:
+            attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
         if attention_only:
             return None
         scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
         if isinstance(finish, tuple):  # compiled around eager experts
             mix, combine = finish
             h, m1, xe, weights, idx = mix(x, attn)
-            return combine(h, m1, self.experts(xe, idx, weights), scalar)
+            return combine(h, m1, self.experts(xe, idx, weights, x.shape[0]), scalar)
         return finish(x, attn, scalar)
+
+    def _attend_each(self, q: mx.array, k: mx.array, v: mx.array, caches: list[PrefixCache]) -> mx.array:
+        """Decoder attention of a batch, each sequence against its own prefix cache.
+        Sequences whose caches hold as many positions (sliding layers past their
+        window, all alike) attend in one batched call: per sequence it computes
+        what it computes alone (batched matmuls and softmax run per sequence)."""
+        groups: dict[int, list[int]] = {}
+        for b, c in enumerate(caches):
+            groups.setdefault(c.length, []).append(b)
+        if len(groups) == 1:
+            return self.self_attn.attend(q, k, v, _Stacked(caches), False)
+        out, order = [], []
+        for idx in groups.values():
+            sel = mx.array(idx)
+            out.append(self.self_attn.attend(q[sel], k[sel], v[sel], _Stacked([caches[b] for b in idx]), False))
+            order.extend(idx)
+        inverse = mx.array([order.index(b) for b in range(len(caches))])
+        return mx.concatenate(out)[inverse]
+
+
+class _Stacked:
+    """Prefix caches holding the same number of positions, as one batch (read only)."""
+
+    def __init__(self, caches: list[PrefixCache]):
+        first = caches[0]
+        if first.keys is None or len(caches) == 1:
+            self.keys, self.values = first.keys, first.values
+        else:
+            self.keys = mx.concatenate([c.keys for c in caches])
+            self.values = mx.concatenate([c.values for c in caches])
 
 
 class SelfConditioning(nn.Module):
@@ -395,5 +439,5 @@ class SelfConditioning(nn.Module):
         if soft is None:  # first step: RMS(0) = 0 and MLP(0) = 0 exactly
             return rms_norm(embeds, None, self.eps)
         n = self.pre_norm(soft)
-        signal = self.down_proj(geglu(self.gate_proj(n), self.up_proj(n)))
+        signal = linear(self.down_proj, geglu(linear(self.gate_proj, n), linear(self.up_proj, n)))
         return rms_norm(embeds + signal, None, self.eps)  # post_norm has no weight

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..rows import as_linear, matmul
 from .config import SLIDING, ModelArgs
 from .layers import DecoderLayer, PrefixCache, RMSNorm, SelfConditioning
 from .vision import MultimodalEmbedder, VisionArgs, VisionModel
@@ -63,7 +64,7 @@ class DecoderModel(nn.Module):
                 group_size=e.group_size, bits=e.bits, mode=e.mode,
             )
         else:
-            s = p @ e["weight"]
+            s = matmul(p, e["weight"])  # one GEMM per sequence of a batch
         return s.astype(dtype) * self._scale(dtype)
 
     def inputs(self, canvas: mx.array, sc_logits: Optional[mx.array] = None) -> mx.array:
@@ -73,7 +74,7 @@ class DecoderModel(nn.Module):
 
     def head(self, h: mx.array) -> mx.array:
         """Tied-embedding logits in the model dtype, then float32 softcap."""
-        out = self.embed_tokens.as_linear(self.norm(h)).astype(mx.float32)
+        out = as_linear(self.embed_tokens, self.norm(h)).astype(mx.float32)
         return mx.tanh(out / self.softcap) * self.softcap
 
     def compiled(self):
@@ -199,10 +200,13 @@ class Model(nn.Module):
         return enc.embed_vision(enc.vision_tower(pixels, position_ids[real]))
 
     def encode(self, ids, cache: list[PrefixCache], offset: Optional[int] = None,
-               features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None) -> None:
+               features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None,
+               collect: Optional[list] = None) -> None:
         """``features`` [n, hidden] replace the embeddings where ``blocks`` >= 0
         (in order); ``blocks`` ([S] ints, -1 for text) also makes each image
-        block bidirectional in every layer (reference §5.3)."""
+        block bidirectional in every layer (reference §5.3). ``collect``: a
+        list that gets each layer's output (None for the last layer, which
+        only writes the cache), for dlm-verify's per-layer diagnostic."""
         ids = self._ids(ids)
         offset = cache[0].offset if offset is None else offset
         dec = self.model.decoder
@@ -219,25 +223,28 @@ class Model(nn.Module):
         for i, layer in enumerate(dec.layers):
             h = layer(h, cache[i], offset, True, scalars[i]["layer_scalar"], attention_only=i == last,
                       blocks=block_ids)
+            if collect is not None:
+                collect.append(h)
 
     def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = 2048,
-                features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None) -> None:
+                features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None,
+                collect: Optional[list] = None) -> None:
         """``encode`` in chunks, each evaluated. With images (``features``,
         ``blocks`` as in encode), no chunk boundary splits an image block."""
         ids = self._ids(ids)
         for start, end in chunks(ids.shape[1], chunk_size, blocks):
             if blocks is None:
-                self.encode(ids[:, start:end], cache)
+                self.encode(ids[:, start:end], cache, collect=collect)
             else:
                 done = int((blocks[:start] >= 0).sum())
                 n = int((blocks[start:end] >= 0).sum())
                 self.encode(ids[:, start:end], cache, None, features[done : done + n] if n else None,
-                            blocks[start:end])
+                            blocks[start:end], collect=collect)
             mx.eval([c.state for c in cache])
 
     def decode(
         self, canvas, cache: list[PrefixCache], sc_logits: Optional[mx.array] = None,
-        offset: Optional[int] = None,
+        offset: Optional[int] = None, collect: Optional[list] = None,
     ) -> mx.array:
         canvas = self._ids(canvas)
         offset = cache[0].offset if offset is None else offset
@@ -252,4 +259,6 @@ class Model(nn.Module):
             h, head = dec.inputs(canvas, sc_logits), dec.head
         for i, layer in enumerate(dec.layers):
             h = layer(h, cache[i], offset, False, compiled=self.compile)
+            if collect is not None:
+                collect.append(h)
         return head(h)

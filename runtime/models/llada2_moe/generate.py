@@ -60,6 +60,7 @@ from .options import (
     THRESHOLD,
 )
 from .sampling import UniformStream, reveal, sample, transfer_quota
+from .trace import BlockTracer
 
 PREFILL_STEP = 2048
 ROLE_END = "<|role_end|>"
@@ -108,6 +109,7 @@ class Settings:
     uniforms: Optional[Callable[[int], np.ndarray]] = None  # overrides the seeded stream
     on_step: Optional[Callable[[int, int, mx.array], None]] = None  # (block, step, logits [bl, V])
     trace: Optional[list] = None  # (block, step, positions, tokens) per step
+    step_trace: Optional[object] = None  # a dlm.runtime.trace.Trace (--trace): every step, summarised
 
     @classmethod
     def from_options(cls, options: dict, args, generation_config: dict) -> "Settings":
@@ -180,8 +182,8 @@ def stop_ids(loaded, s: Settings) -> set[int]:
 
 
 _HOOKS = (
-    "on_step", "trace", "uniforms", "kv_cache", "suppress_mask", "early_stop", "stop_on_role_end",
-    "editing_threshold",
+    "on_step", "trace", "step_trace", "uniforms", "kv_cache", "suppress_mask", "early_stop",
+    "stop_on_role_end", "editing_threshold",
 )
 # Hooks of the session itself rather than of Settings.
 _SESSION_HOOKS = ("prefix", "watch")
@@ -195,8 +197,9 @@ def stream_generate(
     order), then the final event with finish_reason and stats.
 
     ``hooks`` override the internal Settings switches (parity suite, tests):
-    on_step(block, step, logits), trace, uniforms, kv_cache, suppress_mask,
-    early_stop, stop_on_role_end, editing_threshold (None: 2.0 decoding);
+    on_step(block, step, logits), trace, step_trace (a dlm.runtime.trace.Trace:
+    --trace), uniforms, kv_cache, suppress_mask, early_stop, stop_on_role_end,
+    editing_threshold (None: 2.0 decoding);
     ``stop_ids`` replaces the stop-token set; ``watch(block_index, step, token_ids)``
     sees the block after every step (--verbose); ``prefix`` is a PrefixState kept
     across runs (chat)."""
@@ -225,6 +228,7 @@ class BlockSession:
                  prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None):
         self.model, self.s, self.cancel = loaded.model, s, cancel
         self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
+        self.tracer: Optional[BlockTracer] = None  # --trace: the current block's
         self.skip_special_tokens = s.skip_special_tokens
         self.prompt = prompt_ids
         self.P, self.bl = len(prompt_ids), s.block_length
@@ -332,7 +336,9 @@ class BlockSession:
         u = self.uniforms(self.bl) if self.needs_uniforms else None
         return sample(logits, self.s, u)
 
-    def _trace(self, b: int, s: int, start: int, write, tok, block) -> None:
+    def _trace(self, b: int, s: int, start: int, write, tok, block, conf=None, edit=None) -> None:
+        if self.tracer is not None:
+            self.tracer.step(s, write, tok, conf, block, edit)
         if self.watch is not None:  # the block as it stands (masks included)
             self.watch(b - self.first_block, s, block.tolist())
         if self.s.trace is not None:
@@ -361,6 +367,7 @@ class BlockSession:
         gen_from = max(self.P - start, 0)  # first generated position in the block
         need = min(self.limit - start, bl)  # positions that reach the output
         block = mx.array(self.x[start : start + bl])
+        self.tracer = None if self.s.step_trace is None else BlockTracer(self, b, start, gen_from, need)
         # The hub denoises the whole block, including positions past the
         # budget (they influence the rest); only the stop test uses ``need``.
         if self.editing is None:
@@ -368,6 +375,8 @@ class BlockSession:
             block, steps, cancelled = self._denoise(b, start, block, in_gen, need)
         else:
             block, steps, cancelled = self._edit(b, start, block, gen_from)
+        if self.tracer is not None:
+            self.tracer.finish(block, steps, cancelled)
         if cancelled:
             return Block(steps=steps, cancelled=True)
         out = np.array(block)
@@ -389,7 +398,7 @@ class BlockSession:
             tok, conf = self._step(b, s, start, block)
             write = reveal(active, conf, self.s.step_threshold(s, self.steps), self.quota[s])
             block = mx.where(write, tok.astype(block.dtype), block)
-            self._trace(b, s, start, write, tok, block)
+            self._trace(b, s, start, write, tok, block, conf)
             # Final once no mask is left before the output budget or before a stop token.
             masked = (block == mask_id) & in_gen
             first_mask = mx.min(mx.where(masked, pos, self.bl))
@@ -430,7 +439,7 @@ class BlockSession:
             edit = editable & ~active & (tok != block) & (conf > self.editing)
             write = write | edit
             block = mx.where(write, tok, block)
-            self._trace(b, s, start, write, tok, block)
+            self._trace(b, s, start, write, tok, block, conf, edit)
             counts = mx.stack([((block == mask_id) & editable).sum(), edit.sum()]).tolist()
             s += 1
             was_active, n_active = n_active, int(counts[0])

@@ -11,6 +11,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..rows import as_linear, linear, matmul, per_sequence
 from ..switch import SwitchLinear, by_expert, grouped
 from .config import ModelArgs
 from .weights import sanitize
@@ -28,13 +29,19 @@ class SwitchGLU(nn.Module):
     def _expert(self, e: int, rows):
         return self.down_proj.dense(e, nn.silu(self.gate_proj.dense(e, rows)) * self.up_proj.dense(e, rows))
 
-    def __call__(self, x, indices):
-        """x [T, H], indices [T, k] -> [T, k, H]."""
+    def __call__(self, x, indices, sequences: int = 1):
+        """x [T, H], indices [T, k] -> [T, k, H]. ``sequences``: ``x`` holds that
+        many equal-length sequences' rows, in order (batched generation): the
+        kernel is the one each gets alone, and grouped experts multiply each
+        sequence's rows on their own (dlm.runtime.models.rows)."""
         T, k = indices.shape
         E = self.gate_proj["weight"].shape[0]
-        if grouped(T * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one matmul per expert
-            return by_expert(x, indices, E, self._expert)
-        if T * k >= 64:
+        n = per_sequence(T, sequences)
+        if grouped(n * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one matmul per expert
+            parts = [by_expert(x[i * n:(i + 1) * n], indices[i * n:(i + 1) * n], E, self._expert)
+                     for i in range(sequences)]
+            return mx.concatenate(parts) if sequences > 1 else parts[0]
+        if n * k >= 64:
             # Sort (token, slot) pairs by expert so each expert's rows are contiguous.
             flat = indices.reshape(-1)
             order = mx.argsort(flat)
@@ -123,18 +130,27 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
 
     def __call__(self, x, offset: int, mask, cache: Optional[CommittedKVCache]):
+        """``cache`` may be a list, one per sequence of a batch, with ``mask`` a list
+        and ``offset`` an array [B] alike: each sequence attends to its own cache."""
         B, L, _ = x.shape
-        qkv = self.query_key_value(x).reshape(B, L, self.hq + 2 * self.hkv, self.d)
+        qkv = linear(self.query_key_value, x).reshape(B, L, self.hq + 2 * self.hkv, self.d)
         q, k, v = mx.split(qkv, [self.hq, self.hq + self.hkv], axis=2)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         if self.use_qk_norm:  # before RoPE
             q, k = self.query_layernorm(q), self.key_layernorm(k)
         q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
+        if isinstance(cache, list):
+            parts = zip(*(mx.split(t, len(cache)) for t in (q, k, v)), mask, cache)
+            o = mx.concatenate([self._attend(qb, kb, vb, m, c) for qb, kb, vb, m, c in parts])
+        else:
+            o = self._attend(q, k, v, mask, cache)
+        return linear(self.dense, o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _attend(self, q, k, v, mask, cache: Optional[CommittedKVCache]):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.dense(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
 class MLP(nn.Module):
@@ -145,7 +161,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, nn.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class Gate(nn.Module):
@@ -159,8 +175,10 @@ class Gate(nn.Module):
         self.k, self.n_group, self.topk_group = args.num_experts_per_tok, args.n_group, args.topk_group
         self.scaling = args.routed_scaling_factor
 
-    def __call__(self, x):
-        s = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
+    def __call__(self, x, sequences: int = 1):
+        """x [T, H] (``sequences`` equal-length sequences' rows, in order)."""
+        x32 = x.astype(mx.float32).reshape(sequences, -1, x.shape[-1])
+        s = mx.sigmoid(matmul(x32, self.weight.astype(mx.float32).T).reshape(x.shape[0], -1))
         b = s + self.expert_bias.astype(mx.float32)
         if self.topk_group < self.n_group:
             T, E = b.shape
@@ -191,8 +209,8 @@ class SparseMoe(nn.Module):
     def __call__(self, x):
         shape = x.shape
         t = x.reshape(-1, shape[-1])
-        idx, w = self.gate(t)
-        y = self.switch_mlp(t, idx).astype(mx.float32)  # [T, k, H]
+        idx, w = self.gate(t, shape[0])
+        y = self.switch_mlp(t, idx, shape[0]).astype(mx.float32)  # [T, k, H]
         y = (y * w[..., None]).sum(1).astype(x.dtype).reshape(shape)
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
@@ -263,8 +281,8 @@ class Model(nn.Module):
             h = h[:, -last:]
         h = self.model.norm(h)
         if self.args.tie_word_embeddings:
-            return self.model.word_embeddings.as_linear(h).astype(mx.float32)
-        return self.lm_head(h).astype(mx.float32)
+            return as_linear(self.model.word_embeddings, h).astype(mx.float32)
+        return linear(self.lm_head, h).astype(mx.float32)
 
     @staticmethod
     def sanitize(weights: dict) -> dict:

@@ -1,0 +1,184 @@
+"""Batched generation: many requests denoised in shared forwards.
+
+``Batcher`` is the scheduler the server's worker, ``api.generate_batch`` and
+``dlm-run generate --prompts-file`` drive. Each request keeps its own session
+(the family's ``Session``: prompt, caches, draws, settings) and its own
+``Progress`` (dlm.runtime.generate: budget, trimming, text, stats), exactly as
+when it runs alone; the family's ``batch.Batch`` runs one step of every busy
+request per ``step()``: the requests' canvases/blocks go through one forward
+with a batch axis, and their stop flags are read in one host sync.
+
+* Admission: waiting requests join, in order, at the start of a step, up to
+  ``max_batch`` and while the sum of the requests' memory estimates
+  (``session.memory_bytes``, what each was checked against alone) stays under
+  the memory budget; a joiner's prompt is prefilled then (one request at a
+  time), and it starts its first canvas/block with the others mid-way through
+  theirs (continuous batching). A request that fits nowhere waits.
+* Per-request: its own canvas/block lengths, settings, seed, budget, stop
+  tokens and cancellation (its ``cancel`` is polled once per step, as alone).
+  A request leaves the batch when it ends (budget, stop token, cancel); the
+  others go on.
+* Results: every request draws and commits what it would alone (same seed,
+  same commit stream; dlm.runtime.models.rows says how the forwards keep that).
+* Stats per request: its own prompt time, forwards and steps; generation time
+  runs from its prefill to its end, sharing the machine with the others; the
+  peak memory is the batch's since the batcher last went idle.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import time
+from typing import Callable, Hashable, Iterator, Optional
+
+import mlx.core as mx
+
+from .errors import GenerationError
+from .events import GenerationEvent
+from .generate import Progress
+from .inputs import split_prompt
+from .memory import budget_bytes
+from .worker import DEFAULT_MAX_BATCH  # noqa: F401  (the default, kept where the server reads it)
+
+
+def family_batch(loaded):
+    """The family's batch module (``dlm.runtime.models.<family>.batch``), or None
+    for a family without one (it then runs one request at a time)."""
+    name = f"dlm.runtime.models.{loaded.family.name}.batch"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return None
+
+
+class Entry:
+    """One request in a Batcher."""
+
+    def __init__(self, key, loaded, session, prompt_ids: list[int], memory: int):
+        self.key = key
+        self.session = session
+        self.progress = Progress(session, loaded, prompt_ids)
+        self.memory = memory
+        self.member = None  # the family's batch member, once admitted
+        self.started_at: Optional[float] = None  # after its prefill
+        self.final: Optional[GenerationEvent] = None
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+
+class Batcher:
+    """Requests in, events out, one shared step at a time (see the module doc)."""
+
+    def __init__(self, loaded, max_batch: int = DEFAULT_MAX_BATCH, memory_budget: Optional[float] = None):
+        if max_batch < 1:
+            raise GenerationError(f"--max-batch must be at least 1, got {max_batch}")
+        module = family_batch(loaded)
+        if module is None:
+            raise GenerationError(f"batched generation is not available for {loaded.family.title} models")
+        self.loaded = loaded
+        self.generation = loaded.family.generation()
+        self.family = module.Batch(loaded)
+        self.max_batch = max_batch
+        self.budget = budget_bytes(memory_budget)
+        self.waiting: collections.deque[Entry] = collections.deque()
+        self.active: list[Entry] = []
+        self.failed: list[tuple[Entry, Exception]] = []  # prefills that raised (the caller reports them)
+
+    # -- requests ------------------------------------------------------------
+    def session(self, prompt, options: Optional[dict] = None, cancel: Optional[Callable[[], bool]] = None):
+        """The family's session for one request (its options and prompt checked:
+        GenerationError names what is wrong), as ``api.stream_generate`` builds it."""
+        loaded = self.loaded
+        settings = self.generation.Settings.from_options(dict(options or {}), loaded.args,
+                                                          loaded.generation_config)
+        ids, images = split_prompt(prompt)
+        if images and self.family.block_name != "canvas":
+            raise GenerationError(f"image input is not supported: {loaded.family.title} is text-only")
+        return self.generation.Session(loaded, ids, settings, cancel, **({"images": images} if images else {}))
+
+    def add(self, prompt, options: Optional[dict] = None, cancel: Optional[Callable[[], bool]] = None,
+            key: Hashable = None) -> Entry:
+        """Queue a request (GenerationError at once for a bad prompt or options)."""
+        session = self.session(prompt, options, cancel)
+        ids = list(getattr(session, "prompt_ids", None) or session.prompt)
+        entry = Entry(key, self.loaded, session, ids, session.memory_bytes(self.loaded.args))
+        self.waiting.append(entry)
+        return entry
+
+    def remove(self, entry: Entry) -> None:
+        """Drop a request that has not been admitted yet."""
+        if entry in self.waiting:
+            self.waiting.remove(entry)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def can_admit(self, memory: int) -> bool:
+        """Whether a request with this memory estimate joins now (else it waits)."""
+        if len(self.active) >= self.max_batch:
+            return False
+        used = sum(e.memory for e in self.active)
+        return not self.active or used + memory <= self.budget
+
+    # -- the step --------------------------------------------------------------
+    def step(self) -> list[tuple[Entry, GenerationEvent]]:
+        """Admit what fits, run one step of every active request; the events it
+        produced, in order: (entry, event), a request's final event last."""
+        events: list[tuple[Entry, GenerationEvent]] = []
+        self._admit(events)
+        for entry in self.active:
+            if not entry.member.busy and entry.member.finished is None:
+                entry.member.begin(entry.progress.remaining)
+        self.family.step([e.member for e in self.active])
+        for entry in list(self.active):
+            block = entry.member.finished
+            if block is None:
+                continue
+            entry.member.finished = None
+            event = entry.progress.commit(block)
+            if event is not None:
+                events.append((entry, event))
+            if entry.progress.done:
+                self._finish(entry, events)
+        return events
+
+    def _admit(self, events) -> None:
+        while self.waiting and self.can_admit(self.waiting[0].memory):
+            entry = self.waiting.popleft()
+            if not self.active:
+                mx.reset_peak_memory()
+            start = time.perf_counter()
+            try:
+                entry.session.prefill()
+            except Exception as exc:  # this request's own failure: the others go on
+                self.failed.append((entry, exc))
+                continue
+            entry.progress.prefilled(time.perf_counter() - start)
+            entry.started_at = time.perf_counter()
+            entry.member = self.family.member(entry.session)
+            self.active.append(entry)
+            if entry.progress.done:
+                self._finish(entry, events)
+
+    def _finish(self, entry: Entry, events) -> None:
+        entry.final = entry.progress.final(time.perf_counter() - entry.started_at, mx.get_peak_memory() / 1e9)
+        events.append((entry, entry.final))
+        self.active.remove(entry)
+
+    def fail(self) -> list[Entry]:
+        """Drop every active request (after a step raised); returns them."""
+        dropped, self.active = self.active, []
+        return dropped
+
+    def run(self) -> Iterator[tuple[Entry, GenerationEvent]]:
+        """Step until every request has ended (a failed prefill raises its error)."""
+        while not self.idle:
+            yield from self.step()
+            if self.failed:
+                raise self.failed[0][1]

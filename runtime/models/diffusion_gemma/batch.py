@@ -1,0 +1,210 @@
+"""DiffusionGemma batched canvases: many requests' canvases denoised in one
+decoder forward (the scheduler is dlm.runtime.batch).
+
+Each request keeps its own CanvasSession (generate.py): its prompt, prefix
+cache, draws, settings and canvas lengths; the prefill and the re-encoding of
+each committed canvas run per request, as alone. What is shared is the
+decoder forward of a step: the canvases of the requests with the same canvas
+length go through one forward with a batch axis (dlm.runtime.models.rows keeps
+every matmul per sequence; each sequence attends to its own prefix cache, at
+its own positions), and the requests' stop flags are read in one host sync per
+step. Each request's step around the forward (schedule, sampling, acceptance,
+renoising, the stop rule, its draws) is canvas.py's ``_build_step`` on its own
+slice of the logits, so it draws and commits what it would alone.
+
+``Member`` is canvas.denoise_canvas taken apart into the scheduler's phases
+(the batch-vs-solo identity tests, tests/diffusion_gemma/test_batch.py, hold
+the two together): account for the step that ran, stop or go on, build the
+next step, evaluate. Steps are pipelined as alone: the batch's next step is
+built while the current one runs, and rebuilt without the canvases that turn
+out to have stopped (they drew nothing: their draws are rewound, as alone).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ...generate import Block
+from . import sampling as S
+from .canvas import CanvasResult, _build_step
+
+
+class Member:
+    """One request in the batch: its session and the canvas in progress."""
+
+    def __init__(self, session):
+        self.session = session
+        self.finished: Optional[Block] = None  # the block of the canvas that just ended
+        self.length = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.busy = False
+        self.step = None  # the step that was built and evaluated (denoise_canvas's ``step``)
+        self.cur = 0  # its cur_step (N..1)
+        self.steps = 0
+        self.history: list[mx.array] = []
+        self.following = None
+        self.inputs = None  # (canvas, sc_logits, revealed, cur_step) of the step to build next
+        self.mark = None  # the draws before the step to build next
+
+    # -- a canvas begins and ends (CanvasSession.next_block around denoise_canvas) --
+
+    def begin(self, remaining: int) -> None:
+        s = self.session
+        if s.pending is not None:  # commit: encode the previous canvas at its positions
+            s.model.encode(s.pending, s.cache)
+            if s.prefix is not None:
+                s.prefix.ids.extend(s.pending[0].tolist())
+        st = s.settings
+        self.length = S.canvas_length(remaining, st.min_canvas, st.max_canvas, st.full_canvas)
+        s.canvas_index += 1
+        self.hook = s._step_hook(s.canvas_index - 1)
+        self._reset()
+        self.busy, self.finished = True, None
+        shape = (1, self.length)
+        if s.cancel is not None and s.cancel():
+            self._end(CanvasResult(mx.zeros(shape, dtype=mx.int32), 0, False, cancelled=True))
+            return
+        self.inputs = (s.draws.canvas(shape), None, mx.zeros(shape, dtype=mx.bool_), s.denoise.steps)
+        self.mark = s.draws.state()
+
+    def _end(self, result: CanvasResult) -> None:
+        self.busy, self.step, self.following, self.inputs = False, None, None, None
+        if result.cancelled:
+            self.finished = Block(steps=result.steps, cancelled=True)
+            return
+        self.session.pending = result.tokens
+        self.finished = Block(result.tokens[0].tolist(), result.steps, result.stopped_early)
+
+    # -- the phases of one step ------------------------------------------------
+
+    def account(self) -> None:
+        """The step that ran: count it, show it, and end the canvas at its last
+        step or on cancel (before the stop flag is read, as alone)."""
+        if self.step is None:
+            return
+        step, config = self.step, self.session.denoise
+        self.steps += 1
+        if self.hook is not None:
+            self.hook(self.steps - 1, step.logits, step.argmax)
+        window = config.stability_threshold or 0
+        if window:
+            self.history = (self.history + [step.argmax])[-window:]
+        if self.cur == 1:
+            self._end(CanvasResult(step.argmax, self.steps, False))
+            return
+        cancel = self.session.cancel
+        if cancel is not None and cancel():
+            self._end(CanvasResult(step.argmax, self.steps, False, cancelled=True))
+            return
+        self.inputs = (step.canvas, step.sc_logits, step.revealed, self.cur - 1)
+        self.mark = self.session.draws.state()
+
+    @property
+    def stop_flag(self) -> Optional[mx.array]:
+        return None if self.step is None else self.step.stop
+
+    def stopped(self) -> None:
+        """The step that ran says stop: the canvas ends; the next step drew nothing."""
+        self.session.draws.restore(self.mark)
+        self._end(CanvasResult(self.step.argmax, self.steps, True))
+
+    def build(self, logits: mx.array) -> None:
+        """The next step's graph around ``logits`` (this member's slice of the batch)."""
+        canvas, sc, revealed, cur = self.inputs
+        self.session.draws.restore(self.mark)  # a rebuild draws again what the discarded build drew
+        self.following = _build_step(lambda c, s: logits, self.session.draws, self.session.denoise,
+                                     canvas, sc, revealed, self.history, cur)
+
+    def launch(self) -> list[mx.array]:
+        """The step just built becomes the current step; returns what to evaluate."""
+        _, _, _, cur = self.inputs
+        self.step, self.cur, self.following, self.inputs = self.following, cur, None, None
+        return self.step.outputs(last=cur == 1)
+
+
+class Batch:
+    """The family's part of the scheduler: its members and one step for all."""
+
+    block_name = "canvas"
+
+    def __init__(self, loaded):
+        self.model = loaded.model
+        # Grouped CPU experts read their counts on the host inside the forward, so
+        # a speculative build would compute; then the stop flags are read first.
+        self.speculate = not any(layer.experts.eager for layer in self.model.layers)
+
+    def member(self, session) -> Member:
+        return Member(session)
+
+    def step(self, members: list[Member]) -> None:
+        """One denoising step of every busy member (one decoder forward per canvas length)."""
+        busy = [m for m in members if m.busy]
+        for m in busy:
+            m.account()
+        running = [m for m in busy if m.busy and m.step is not None]
+        going = [m for m in busy if m.busy]
+        if self.speculate:
+            self._build(going)
+        stops = [m for m in running if m.stop_flag is not None]
+        stopped = []
+        if stops:  # the one host sync of a step, for the whole batch
+            flags = mx.stack([m.stop_flag for m in stops]).tolist()
+            stopped = [m for m, flag in zip(stops, flags) if flag]
+            for m in stopped:
+                m.stopped()
+        if stopped or not self.speculate:
+            going = [m for m in going if m.busy]
+            self._build(going)
+        if going:  # one evaluation for the whole batch, run while the next step is built
+            mx.async_eval([out for m in going for out in m.launch()])
+
+    def _build(self, members: list[Member]) -> None:
+        for m, logits in zip(members, decode(self.model, [m.inputs[0] for m in members],
+                                             [m.inputs[1] for m in members],
+                                             [m.session.cache for m in members])):
+            m.build(logits)
+
+
+def decode(model, canvases: list[mx.array], sc_logits: list[Optional[mx.array]],
+           caches: list[list]) -> list[mx.array]:
+    """``model.decode`` of many canvases ([1, L] each; sc [1, L, V] or None) against
+    their own prefix caches: one forward per canvas length, the logits [1, L, V]
+    of each in order."""
+    out: list[Optional[mx.array]] = [None] * len(canvases)
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(canvases):
+        groups.setdefault(c.shape[-1], []).append(i)
+    for idx in groups.values():
+        if len(idx) == 1:  # alone: exactly the solo call
+            i = idx[0]
+            out[i] = model.decode(canvases[i], caches[i], sc_logits[i])
+            continue
+        # Canvases with self-conditioning first, then the first steps (no sc).
+        idx = [i for i in idx if sc_logits[i] is not None] + [i for i in idx if sc_logits[i] is None]
+        logits = _decode_group(model, [canvases[i] for i in idx], [sc_logits[i] for i in idx],
+                               [caches[i] for i in idx])
+        for j, i in enumerate(idx):
+            out[i] = logits[j : j + 1]
+    return out
+
+
+def _decode_group(model, canvases, sc_logits, caches) -> mx.array:
+    """Model.decode for equal-length canvases, batched: [B, L, V]."""
+    dec = model.model.decoder
+    inputs, head = dec.compiled() if model.compile else (dec.inputs, dec.head)
+    with_sc = [i for i, s in enumerate(sc_logits) if s is not None]
+    parts = []
+    if with_sc:
+        parts.append(inputs(mx.concatenate([canvases[i] for i in with_sc]),
+                            mx.concatenate([sc_logits[i] for i in with_sc])))
+    if len(with_sc) < len(canvases):
+        parts.append(inputs(mx.concatenate(canvases[len(with_sc):])))
+    h = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
+    for i, layer in enumerate(dec.layers):
+        h = layer(h, [c[i] for c in caches], offsets, False, compiled=model.compile)
+    return head(h)

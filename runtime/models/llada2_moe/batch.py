@@ -1,0 +1,249 @@
+"""LLaDA-2 batched blocks: many requests' active blocks through one model forward
+(the scheduler is dlm.runtime.batch).
+
+Each request keeps its own BlockSession (generate.py): prompt, committed-KV
+cache, uniform stream, settings, block length; its prefill runs alone. A step's
+forward is shared: the windows of the requests with the same window length
+and block length ([finished block ; active block] on a block's first step, the
+active block after) go through one forward with a batch axis
+(dlm.runtime.models.rows keeps every matmul per sequence; each sequence
+attends to its own cache under its own block-causal mask, at its own
+positions). The requests' per-step flags ("is the block final", the 2.1 edit
+counts) are read in one host sync per step.
+
+``Member`` runs BlockSession.next_block / _denoise / _edit as a generator that
+yields where alone it would call the model (``Forward``) or read a flag on the
+host (``Sync``); the batch answers every member's Forward with one forward and
+every member's Sync with one evaluation. The generator mirrors those methods
+line for line (the batch-vs-solo identity tests, tests/llada2_moe/test_batch.py,
+hold them together) and uses the session's own helpers (sampling, reveal, trace).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ...generate import Block
+from ..rows import as_linear, linear
+from .model import block_causal_mask
+from .sampling import reveal, sample
+
+
+@dataclass
+class Forward:
+    """A window to run: ids [L] at the cache's offset, under ``mask``."""
+
+    ids: mx.array
+    mask: Optional[mx.array]
+
+
+@dataclass
+class Sync:
+    """An array to read on the host (``.tolist()``)."""
+
+    value: mx.array
+
+
+class Member:
+    """One request in the batch: its session and the block in progress."""
+
+    def __init__(self, session):
+        self.session = session
+        self.finished: Optional[Block] = None
+        self.busy = False
+        self.request = None  # what the generator waits for: a Forward or a Sync
+        self._gen = None
+
+    def begin(self, remaining: int) -> None:
+        self._gen = self._block()
+        self.busy, self.finished = True, None
+        self.resume(None)
+
+    def resume(self, value) -> None:
+        """Send the generator what it waited for; run it to its next request or its end."""
+        try:
+            self.request = self._gen.send(value)
+        except StopIteration as end:
+            self.busy, self.request, self._gen = False, None, None
+            self.finished = end.value
+
+    # -- BlockSession.next_block, _denoise, _edit and _step, as a generator -----
+
+    def _block(self):
+        s = self.session
+        b, bl = s.next_index, s.bl
+        s.next_index += 1
+        start = b * bl
+        gen_from = max(s.P - start, 0)
+        need = min(s.limit - start, bl)
+        block = mx.array(s.x[start : start + bl])
+        if s.editing is None:
+            in_gen = mx.arange(bl) >= gen_from
+            block, steps, cancelled = yield from self._denoise(b, start, block, in_gen, need)
+        else:
+            block, steps, cancelled = yield from self._edit(b, start, block, gen_from)
+        if cancelled:
+            return Block(steps=steps, cancelled=True)
+        out = np.array(block)
+        s.x[start : start + bl] = out
+        if s.cache is not None:
+            s.pending = block
+        else:
+            s.committed = mx.array(s.x[: start + bl])
+        return Block(out[gen_from:need].tolist(), steps, steps < s.steps)
+
+    def _step(self, b: int, step: int, start: int, block):
+        s = self.session
+        logits = yield self._window(start, block)
+        if s.s.on_step is not None:
+            s.s.on_step(b, step, logits)
+        if s.logit_bias is not None:
+            logits = logits + s.logit_bias
+        u = s.uniforms(s.bl) if s.needs_uniforms else None
+        return sample(logits, s.s, u)
+
+    def _denoise(self, b: int, start: int, block, in_gen, need: int):
+        s = self.session
+        mask_id = s.s.mask_token_id
+        pos = mx.arange(s.bl)
+        for step in range(s.steps):
+            if s.cancel is not None and s.cancel():
+                return block, step, True
+            active = (block == mask_id) & in_gen
+            tok, conf = yield from self._step(b, step, start, block)
+            write = reveal(active, conf, s.s.step_threshold(step, s.steps), s.quota[step])
+            block = mx.where(write, tok.astype(block.dtype), block)
+            s._trace(b, step, start, write, tok, block)
+            masked = (block == mask_id) & in_gen
+            first_mask = mx.min(mx.where(masked, pos, s.bl))
+            done = first_mask >= need
+            if s.s.early_stop and s.stop_arr is not None:
+                is_stop = (block[:, None] == s.stop_arr[None]).any(-1) & in_gen
+                done = done | (mx.min(mx.where(is_stop, pos, s.bl)) < first_mask)
+            elif not s.s.early_stop:
+                done = ~masked.any()
+            if (yield Sync(done)):
+                return block, step + 1, False
+        return block, s.steps, False
+
+    def _edit(self, b: int, start: int, block, gen_from: int):
+        s = self.session
+        mask_id, post, step = s.s.mask_token_id, 0, 0
+        editable = mx.arange(s.bl) >= gen_from
+        n_active = int((yield Sync(((block == mask_id) & editable).sum())))
+        while True:
+            if n_active == 0:
+                post += 1
+            if post > s.s.max_post_steps:
+                return block, step, False
+            if s.cancel is not None and s.cancel():
+                return block, step, True
+            active = (block == mask_id) & editable
+            tok, conf = yield from self._step(b, step, start, block)
+            tok = tok.astype(block.dtype)
+            if n_active:
+                q = max(s.quota[step] if step < len(s.quota) else 1, 1)
+                thr = s.s.step_threshold(min(step, s.steps - 1), s.steps)
+                write = reveal(active, conf, thr, q)
+            else:
+                write = mx.zeros_like(active)
+            edit = editable & ~active & (tok != block) & (conf > s.editing)
+            write = write | edit
+            block = mx.where(write, tok, block)
+            s._trace(b, step, start, write, tok, block)
+            counts = yield Sync(mx.stack([((block == mask_id) & editable).sum(), edit.sum()]))
+            step += 1
+            was_active, n_active = n_active, int(counts[0])
+            if was_active == 0 and counts[1] == 0:
+                return block, step, False
+
+    # -- BlockSession._forward, split around the shared forward -------------------
+
+    def _window(self, start: int, block) -> Forward:
+        s = self.session
+        if s.cache is None:  # the full recompute (tests): a forward of its own
+            ids = mx.concatenate([s.committed[:start], block])
+            return Forward(ids, block_causal_mask(0, start + s.bl, 0, s.bl))
+        offset = s.cache[0].offset
+        ids = block if s.pending is None else mx.concatenate([s.pending, block])
+        return Forward(ids, block_causal_mask(offset, ids.shape[0], offset, s.bl))
+
+    def forwarded(self) -> None:
+        """After the forward that read the window: the finished block is committed to the cache."""
+        s = self.session
+        if s.cache is not None and s.pending is not None:
+            for c in s.cache:
+                c.commit(s.bl)
+            s.pending = None
+            s._remember()
+
+
+class Batch:
+    """The family's part of the scheduler: its members and one step for all."""
+
+    block_name = "block"
+
+    def __init__(self, loaded):
+        self.model = loaded.model
+
+    def member(self, session) -> Member:
+        return Member(session)
+
+    def step(self, members: list[Member]) -> None:
+        """One forward of every busy member (and the host reads around it)."""
+        self._sync(members)
+        waiting = [m for m in members if isinstance(m.request, Forward)]
+        for m, logits in zip(waiting, self._forward(waiting)):
+            m.forwarded()
+            m.resume(logits)
+        self._sync(members)
+
+    def _sync(self, members: list[Member]) -> None:
+        """Answer every pending Sync with one evaluation, until none is left."""
+        while True:
+            syncs = [m for m in members if isinstance(m.request, Sync)]
+            if not syncs:
+                return
+            values = [m.request.value for m in syncs]
+            mx.eval(values)  # the host sync of the step, for the whole batch
+            for m, v in zip(syncs, values):
+                m.resume(v.tolist())
+
+    def _forward(self, members: list[Member]) -> list[mx.array]:
+        """Each member's block logits [bl, V]: one forward per (window, block) length."""
+        out: list[Optional[mx.array]] = [None] * len(members)
+        groups: dict[tuple, list[int]] = {}
+        for i, m in enumerate(members):
+            s = m.session
+            key = ("alone", i) if s.cache is None else (m.request.ids.shape[0], s.bl)
+            groups.setdefault(key, []).append(i)
+        for idx in groups.values():
+            reqs = [members[i].request for i in idx]
+            sessions = [members[i].session for i in idx]
+            bl = sessions[0].bl
+            if len(idx) == 1:  # alone: exactly the solo call
+                s, r = sessions[0], reqs[0]
+                logits = self.model(r.ids[None], s.cache, r.mask, last=bl)
+            else:
+                logits = forward(self.model, mx.stack([r.ids for r in reqs]), [s.cache for s in sessions],
+                                 [r.mask for r in reqs], bl)
+            for j, i in enumerate(idx):
+                out[i] = logits[j]
+        return out
+
+
+def forward(model, ids: mx.array, caches: list[list], masks: list, last: int) -> mx.array:
+    """Model.__call__ for B equal-length windows [B, L], each on its own cache
+    under its own mask: float32 logits [B, last, V]."""
+    h = model.model.word_embeddings(ids)
+    offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
+    for i, layer in enumerate(model.model.layers):
+        h = layer(h, offsets, masks, [c[i] for c in caches])
+    h = model.model.norm(h[:, -last:])
+    if model.args.tie_word_embeddings:
+        return as_linear(model.model.word_embeddings, h).astype(mx.float32)
+    return linear(model.lm_head, h).astype(mx.float32)

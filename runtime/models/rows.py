@@ -1,0 +1,61 @@
+"""Matmuls that give every sequence of a batch exactly the numbers it gets alone.
+
+Batched generation (dlm.runtime.batch) runs B sequences through one forward
+with a leading batch axis, and promises each the commit stream it would get on
+its own. Row-wise work (norms, softmax, RoPE, routing, elementwise math, and
+``gather_mm``, which multiplies one row at a time) gives a row the same result
+whatever rows surround it. A plain matmul does not: ``x [B, L, in] @ W.T``
+becomes one GEMM of B*L rows, and an optimized BLAS picks its kernels and its
+thread split by the row count. Measured with OpenBLAS 0.3.21 on this
+project's CPU (2 threads): a row's float32 result changes whenever its
+4-row kernel group or the thread boundary moves, so merged rows differ from the
+sequence alone in the last bits (tests/*/test_batch.py's bitwise test fails
+with merged rows; no commit stream of the tiny test models flipped). A broadcast
+weight (``x [B, L, in] @ W.T [B, in, out]`` with a stride-0 batch) makes MLX
+run one GEMM per sequence with that sequence's own row count: the very call the
+sequence makes alone.
+
+``linear`` and ``matmul`` do that for an input with a batch axis of more than
+one sequence and are the plain call otherwise (a sequence alone runs exactly
+what it ran before). Quantized matmuls run merged: MLX's own CPU kernel
+computes every row on its own (checked in tests/test_batch_rows.py).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def _batched(x: mx.array) -> bool:
+    return x.ndim >= 3 and x.shape[0] > 1
+
+
+def matmul(x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w`` for a 2-D ``w``, one GEMM per sequence of ``x``'s batch axis."""
+    if not _batched(x):
+        return x @ w
+    return x @ mx.broadcast_to(w, x.shape[:-2] + w.shape)
+
+
+def linear(module, x: mx.array) -> mx.array:
+    """``module(x)`` (an ``nn.Linear``, or a quantized one), one GEMM per sequence."""
+    if not _batched(x) or "scales" in module:
+        return module(x)
+    w = module["weight"].T
+    if "bias" in module:
+        return mx.addmm(module["bias"], x, mx.broadcast_to(w, x.shape[:-2] + w.shape))
+    return matmul(x, w)
+
+
+def as_linear(embedding, x: mx.array) -> mx.array:
+    """``embedding.as_linear(x)`` (tied output head), one GEMM per sequence."""
+    if not _batched(x) or "scales" in embedding:
+        return embedding.as_linear(x)
+    return matmul(x, embedding["weight"].T)
+
+
+def per_sequence(rows: int, sequences: int) -> int:
+    """Rows of one sequence in a flat [sequences * rows_each, ...] batch."""
+    if sequences < 1 or rows % sequences:
+        raise ValueError(f"{rows} rows do not split into {sequences} equal sequences")
+    return rows // sequences

@@ -1,0 +1,87 @@
+"""In-process cost of batched generation (dlm.runtime.batch), no HTTP: the
+milliseconds of one shared step at batch sizes 1..16 (steady state: every
+request mid-way through long canvases/blocks), and api.generate_batch against
+the same requests run one after the other with api.generate (interleaved,
+medians; the results are checked to be identical).
+
+    .venv/bin/python -m scripts.bench_batch --tiny [--family llada2]
+    .venv/bin/python -m scripts.bench_batch --model path/to/mlx-model
+
+The step costs are what ``--max-batch`` trades: past the size where the cost
+per request stops falling, a bigger batch only makes every request slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from dlm.runtime import api
+from dlm.runtime.batch import Batcher
+from scripts.bench_serve import tiny_model
+
+
+def requests(loaded, n: int, max_tokens: int):
+    llada = loaded.family.name == "llada2_moe"
+    prompts = [list(range(3, 14 + i)) for i in range(n)]
+    base = {"block_length": 8, "temp": 0.8} if llada else {"max_denoising_steps": 8}
+    return prompts, [{**base, "max_tokens": max_tokens, "seed": i} for i in range(n)]
+
+
+def step_ms(loaded, size: int, steps: int = 30) -> float:
+    batcher = Batcher(loaded, max_batch=size)
+    prompts, options = requests(loaded, size, loaded.args.max_position_embeddings - 64)
+    for p, o in zip(prompts, options):
+        batcher.add(p, o)
+    for _ in range(10):
+        batcher.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        batcher.step()
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--family", choices=("diffusion_gemma", "llada2"), default="diffusion_gemma")
+    p.add_argument("--sizes", default="1,2,4,8,16")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    if not args.model and not args.tiny:
+        p.error("give --model DIR or --tiny")
+    model = Path(args.model) if args.model else tiny_model(Path(tempfile.mkdtemp()), args.family)
+    loaded = api.load(model)
+    out = {"model": str(model), "step_ms": {}, "generate": []}
+    for size in [int(s) for s in args.sizes.split(",")]:
+        ms = statistics.median(step_ms(loaded, size) for _ in range(3))
+        out["step_ms"][size] = {"step": round(ms, 2), "per_request": round(ms / size, 2)}
+        print(json.dumps({"batch": size, **out["step_ms"][size]}), flush=True)
+    for size in [int(s) for s in args.sizes.split(",") if int(s) <= 8]:
+        prompts, options = requests(loaded, size, args.max_tokens)
+        api.generate_batch(loaded, prompts, options)  # warm-up
+        serial, batched = [], []
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            alone = [api.generate(loaded, p, o) for p, o in zip(prompts, options)]
+            serial.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            together = api.generate_batch(loaded, prompts, options)
+            batched.append(time.perf_counter() - t)
+            assert [r.token_ids for r in alone] == [r.token_ids for r in together]
+        tokens = sum(len(r.token_ids) for r in together)
+        row = {"requests": size, "serial_tokens_per_s": round(tokens / statistics.median(serial), 1),
+               "batched_tokens_per_s": round(tokens / statistics.median(batched), 1),
+               "ratio": round(statistics.median(s / b for s, b in zip(serial, batched)), 2)}
+        out["generate"].append(row)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
