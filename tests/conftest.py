@@ -7,6 +7,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# dlm.runtime before any test module: it loads the optimized BLAS ahead of MLX
+# (dlm/runtime/blas.py); a module importing mlx.core first would leave the whole
+# session on the reference BLAS.
+import dlm.runtime  # noqa: E402,F401
+
 
 @pytest.fixture(scope="session")
 def tiny_dg_dir(tmp_path_factory):
