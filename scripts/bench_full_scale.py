@@ -310,7 +310,10 @@ def verify_summary(report: Path) -> dict:
         checks[name] = {"status": c.get("status"), "failures": c.get("failures", []), "note": c.get("note", ""),
                         "metrics": {k: v for k, v in (c.get("metrics") or {}).items()
                                     if isinstance(v, (int, float, bool)) or v is None}}
-    return {"passed": doc.get("passed"), "checks": checks, "timings": doc.get("timings"), "notes": doc.get("notes")}
+    layers = {name: {k: summary.get(k) for k in ("threshold", "first_divergence", "worst", "note")}
+              for name, summary in (doc.get("layers") or {}).items()}
+    return {"passed": doc.get("passed"), "checks": checks, "layers": layers, "streaming": doc.get("streaming"),
+            "timings": doc.get("timings"), "notes": doc.get("notes")}
 
 
 def generate_summary(stdout: Path, stderr: Path) -> dict:
@@ -348,7 +351,8 @@ def main() -> int:
 
     fam = FAMILIES[args.family]
     n = args.layers or fam["layers"]
-    tag = f"{args.family}-{n}L"
+    # ("llada2-mini-": a directory named llada2-1... would read as LLaDA2.1 to the runtime's name heuristic.)
+    tag = f"{'llada2-mini' if args.family == 'llada2' else args.family}-{n}L"
     src, out, logs = args.work / f"src-{tag}", args.work / f"out-{tag}-q4", args.work / f"logs-{tag}"
     json_path = args.json or args.work / f"{tag}.json"
     args.work.mkdir(parents=True, exist_ok=True)
@@ -406,10 +410,15 @@ def main() -> int:
             report.unlink(missing_ok=True)
             ver = measure([str(BIN / "dlm-verify"), "--parity", str(out), "--reference", str(src),
                            "--report", str(report), *args.verify_arg], logs, "verify")
-            if report.is_file():
+            if report.is_file():  # rc 1 with a report: a check failed, which the report says
                 ver.update(verify_summary(report))
+                ver.pop("error_tail", None)
                 for name, c in ver["checks"].items():
                     print(f"    {name}: {c['status']}" + (f" ({'; '.join(c['failures'])})" if c["failures"] else ""))
+                for name, lay in ver["layers"].items():
+                    print(f"    per-layer ({name}): threshold {lay['threshold']}, first divergence "
+                          f"{lay['first_divergence']}, worst {lay['worst']}")
+                print(f"    modes: {ver['streaming']}")
             result["steps"]["verify"] = ver
 
         gen = measure([str(BIN / "dlm-run"), "generate", "--model", str(out), "--prompt", args.prompt,
@@ -456,7 +465,7 @@ def print_table(r: dict) -> None:
                          f"MLX peak {s['mlx_peak_memory_gb']:.2f} GB")
         if s.get("note"):
             notes.append(s["note"])
-        if s.get("rc") and s.get("error_tail"):
+        if s.get("rc") and s.get("error_tail"):  # no report / no JSON: the command's own last words
             notes.append("error: " + s["error_tail"][-1])
         print(f"| {name} | {s.get('rc')} | {f(s.get('wall_s'))} | {f(s.get('peak_rss_gb'), 2)} | {'; '.join(notes)} |")
     print(f"\nNote: {r['note']}.")
