@@ -209,6 +209,8 @@ def test_editing_defaults_on_for_llada21_only(base, tmp_path):
 
     renamed = dataclasses.replace(loaded, path=tmp_path / "LLaDA2.1-mini-4bit")
     assert G.is_llada21(renamed)
+    # A 2.0 directory whose name only looks like it ("llada2-1L": a 1-layer build) is 2.0.
+    assert not G.is_llada21(dataclasses.replace(loaded, path=tmp_path / "llada2-1L-q4"))
     loop = G.BlockSession(renamed, [1, 2], settings(editing_threshold="auto"), None)
     assert loop.editing == G.EDITING_THRESHOLD_21
     loop = G.BlockSession(loaded, [1, 2], settings(editing_threshold="auto"), None)

@@ -153,7 +153,7 @@ def is_llada21(loaded) -> bool:
     names = [str(getattr(loaded, "path", "")), str(getattr(loaded, "source", "")),
              str(loaded.config.get("_name_or_path", ""))]
     names.append(str((loaded.config.get("dlm") or {}).get("source", "")))
-    if any(re.search(r"llada[-_]?2[._-]?1(?!\d)", n, re.IGNORECASE) for n in names):
+    if any(re.search(r"llada[-_]?2[._-]?1(?![0-9a-z])", n, re.IGNORECASE) for n in names):  # not "llada2-1L"
         return True
     path = getattr(loaded, "path", None)
     if path:
