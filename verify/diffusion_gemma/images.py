@@ -28,9 +28,9 @@ def has_vision(config: dict) -> bool:
 
 def image_support(path, config: dict) -> Optional[str]:
     if not has_vision(config):
-        return "its config.json has no vision_config (a text-only checkpoint)"
+        return "has no vision_config in its config.json (a text-only checkpoint)"
     if not any((Path(path) / f).is_file() for f in PROCESSOR_FILES):
-        return f"it ships no image processor files ({' or '.join(PROCESSOR_FILES)})"
+        return f"ships no image processor files ({' or '.join(PROCESSOR_FILES)})"
     return None
 
 
