@@ -164,6 +164,75 @@ def test_auto_mode_and_layer_progress(capsys):
     assert "reference: decoder layers: layer 3/3" in err and "pass ETA" in err
 
 
+def test_auto_mode_counts_everything_a_whole_model_run_holds(monkeypatch):
+    """``decide`` sums the parts of a whole-model run, names them in the why,
+    and adds back what MLX already holds (budget_bytes leaves it out)."""
+    from dlm.runtime import memory
+    from dlm.verify import streaming as S
+
+    monkeypatch.setattr(memory, "budget_bytes", lambda budget_gb=None: 10 * 10**9)
+    parts = {"the MLX model": 2 * 10**9, "its dequantized float32 weights": 2 * 10**9,
+             "the reference with its weights in float32": 2 * 10**9}
+    # Each part alone is within half the budget; together they are not.
+    assert not S.decide(None, {"the reference with its weights in float32": 2 * 10**9})[0]
+    stream, why = S.decide(None, parts)
+    assert stream
+    assert why == ("a whole-model run holds 6.00 GB (the MLX model 2.00 GB + its dequantized float32 weights "
+                   "2.00 GB + the reference with its weights in float32 2.00 GB), over 50% of the memory "
+                   "budget of 10.00 GB")
+    # The MLX model is already allocated: the budget gets it back (12 GB), and 6 GB is within half.
+    stream, why = S.decide(None, parts, held=2 * 10**9)
+    assert not stream and "within 50% of the memory budget of 12.00 GB" in why
+    assert S.decide(None, 6 * 10**9)[1] == "the reference takes 6.00 GB, over 50% of the memory budget of 10.00 GB"
+    assert S.decide(False, parts) == (False, "--no-stream-layers")
+
+
+def test_whole_parts_of_the_same_weights_reference(tiny_llada2_mlx_dir, tiny_dg_mlx_dir):
+    """What a whole-model same-weights run holds besides the reference: LLaDA-2's
+    to_hf builds a dict (every dequantized tensor at once), DiffusionGemma's is a
+    lazy view (one tensor at a time)."""
+    from dlm.runtime.registry import family_for_config
+    from dlm.verify import streaming as S
+    from dlm.verify import weights as W
+
+    def source(mlx_dir):
+        config = json.loads((mlx_dir / "config.json").read_text())
+        return S.MlxSource(W.dequantized_weights(mlx_dir, config), family_for_config(config, "").model().to_hf)
+
+    llada = source(tiny_llada2_mlx_dir)
+    assert llada.eager
+    parts = S.whole_parts(llada, "float32", mlx_bytes=123)
+    assert parts == {"the MLX model": 123, "its dequantized float32 weights": 4 * llada.numel(),
+                     "the reference with its weights in float32": 4 * llada.numel()}
+    dg = source(tiny_dg_mlx_dir)
+    assert not dg.eager
+    largest = max(int(np.prod(dg.weights.shape(n))) for n in dg.weights)
+    assert S.whole_parts(dg, "float32") == {"its largest dequantized float32 tensor, twice": 8 * largest,
+                                            "the reference with its weights in float32": 4 * dg.numel()}
+    ckpt = S.CheckpointSource(tiny_llada2_mlx_dir.parent / "hf")
+    assert S.whole_parts(ckpt, "bfloat16") == {"the reference in bfloat16": 2 * ckpt.numel()}
+
+
+def test_auto_mode_streams_the_same_weights_reference_when_all_of_it_does_not_fit(tiny_llada2_mlx_dir,
+                                                                                 monkeypatch):
+    """The reference alone fits the auto share of the budget, but with the MLX
+    model and the dequantized weights beside it (3x the reference) it does not:
+    the original reference runs whole, the same-weights one is streamed."""
+    from dlm.runtime.memory import budget_bytes
+    from dlm.verify import streaming as S
+
+    hf = tiny_llada2_mlx_dir.parent / "hf"
+    ref = S.reference_bytes(S.CheckpointSource(hf), "float32")
+    monkeypatch.setattr(S, "AUTO_FRACTION", 2 * ref / budget_bytes())
+    report = run_parity(tiny_llada2_mlx_dir, verify_options(reference=str(hf), long_prompt=False,
+                                                            stream_prompts=0))
+    modes = report.streaming
+    assert modes["reference"] == "whole" and modes["implementation"] == "streamed", modes
+    why = modes["implementation_reason"]
+    assert why.startswith("a whole-model run holds") and "over" in why
+    assert "the MLX model" in why and "its dequantized float32 weights" in why, why
+
+
 def _perturb(src: Path, dst: Path, name: str) -> Path:
     shutil.copytree(src, dst)
     files = sorted(dst.glob("*.safetensors"))

@@ -111,6 +111,100 @@ def test_dequantized_weights_reproduce_the_quantized_matmul(tiny_dg_dir, tmp_pat
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def bf16_q4(tiny_dg_dir, tmp_path_factory):
+    """``tiny_dg_dir`` converted to bfloat16, 4-bit (bf16 scales and biases)."""
+    return convert_dir(tiny_dg_dir, tmp_path_factory.mktemp("bf16_q4") / "q4", dtype="bfloat16", quantize=True,
+                       q_bits=4, q_group_size=32)
+
+
+def test_dequantized_weights_are_the_runtimes_upcast_weights(bf16_q4):
+    """A bf16 4-bit conversion on the CPU backend: the runtime upcasts the
+    scales and biases to float32 before dequantizing, so the same-weights
+    reference must get the float32 dequantization, bit for bit (with the
+    stored bf16 scales every weight is computed and rounded in bfloat16)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dlm.quantize.modes import module_quantization
+    from dlm.runtime.loader import load
+    from dlm.verify.weights import dequantized_weights
+
+    q4 = bf16_q4
+    raw = mx.load(str(q4 / "model.safetensors"))
+    name = "model.decoder.layers.0.self_attn.q_proj"
+    assert raw[name + ".scales"].dtype == mx.bfloat16
+    loaded = load(q4, tokenizer=False, compute_dtype="auto")
+    assert loaded.upcast  # the CPU backend computes in float32
+    runtime = dict(tree_flatten(loaded.model.parameters()))
+
+    weights = dequantized_weights(q4, upcast=loaded.upcast)
+    assert weights.scales_dtype == "float32"
+    q = json.loads((q4 / "config.json").read_text())["quantization"]
+
+    def params(module):
+        p = module_quantization(q, module, True)
+        return {"group_size": p["group_size"], "bits": p["bits"], "mode": p["mode"]}
+
+    want = mx.dequantize(raw[name + ".weight"], raw[name + ".scales"].astype(mx.float32),
+                         raw[name + ".biases"].astype(mx.float32), **params(name))
+    assert np.array_equal(weights[name + ".weight"], np.array(want))
+    # Every tensor, quantized or not, is exactly what the loaded model holds.
+    got = weights.take(list(weights))
+    quantized = [n for n in got if n[: -len(".weight")] + ".scales" in raw]
+    assert quantized
+    for n, value in got.items():
+        held = runtime[n]
+        if n[: -len(".weight")] + ".scales" in runtime:  # a module the loader kept quantized
+            module = n[: -len(".weight")]
+            held = mx.dequantize(held, runtime[module + ".scales"], runtime.get(module + ".biases"),
+                                 **params(module))
+        assert np.array_equal(value, np.array(held.astype(mx.float32))), n
+    # The stored-precision dequantization is the bf16-rounded one: not what MLX multiplies by.
+    stored = dequantized_weights(q4)
+    assert stored.scales_dtype == "bfloat16"
+    low = stored[name + ".weight"]
+    assert not np.array_equal(low, got[name + ".weight"])
+    def bf16_exact(a):
+        return not (a.view(np.uint32) & 0xFFFF).any()
+
+    assert bf16_exact(low) and not bf16_exact(got[name + ".weight"])
+    # bf16 arithmetic (q * scale + bias, each rounded): off by about a bf16 ulp of the bias.
+    np.testing.assert_allclose(low, got[name + ".weight"], rtol=0, atol=1e-3)
+
+
+def test_implementation_check_uses_the_weights_mlx_multiplies_by(bf16_q4, tiny_dg_dir):
+    """End to end: the same-weights reference of a bf16 4-bit model gets the
+    float32-scale dequantization the CPU runtime computes with, so only float32
+    compute differences are left (with the bf16-scale weights, max |dlogit|
+    was 0.31 on this model)."""
+    from dlm.verify.suite import run_parity
+    from tests.builders import verify_options
+
+    report = run_parity(bf16_q4, verify_options(reference=str(tiny_dg_dir), long_prompt=False, stream_prompts=0,
+                                                images=False))
+    impl = next(c for c in report.checks if c.name == "implementation")
+    assert impl.status == "pass" and impl.metrics["max_abs"] < 1e-4, impl.metrics
+    assert impl.metrics["top1"] == 1.0
+    assert report.layers["implementation"]["first_divergence"] is None
+
+
+def test_bundle_same_weights_run_in_other_scales_is_noted(bf16_q4):
+    """A bundle's same-weights run (``record --mlx``: no MLX model loaded, the
+    stored bf16 scales) compared with a runtime that upcast them says so."""
+    from dlm.verify import bundle as B
+    from dlm.verify.suite import _scales_mismatch
+
+    config = json.loads((bf16_q4 / "config.json").read_text())
+    recorded = B.ReferenceRun(meta={"scales_dtype": "bfloat16"})
+    assert _scales_mismatch(recorded, bf16_q4, config, upcast=False) == ""
+    note = _scales_mismatch(recorded, bf16_q4, config, upcast=True)
+    assert "bfloat16 scales" in note and "float32 ones" in note
+    # Bundles from before the record dequantized in the stored dtype.
+    assert _scales_mismatch(B.ReferenceRun(), bf16_q4, config, upcast=True) == note
+    assert _scales_mismatch(B.ReferenceRun(meta={"scales_dtype": "float32"}), bf16_q4, config, upcast=True) == ""
+
+
 # -- errors --------------------------------------------------------------------
 
 

@@ -42,8 +42,10 @@ from dlm.runtime.errors import DlmError, WeightError
 
 from .progress import LayerBar
 
-# Stream when the reference in its dtype would take more than this share of
-# the memory budget (dlm.runtime.memory.budget_bytes).
+# Stream when what a whole-model run holds at its peak (the reference in its
+# dtype and, for the same-weights reference, the loaded MLX model and the
+# dequantized weights: ``whole_parts``) would take more than this share of the
+# memory budget (dlm.runtime.memory.budget_bytes).
 AUTO_FRACTION = 0.5
 # Commit-stream budget of a streamed run when the user sets none: every
 # denoising step reads all layers from disk.
@@ -190,6 +192,10 @@ class MlxSource:
         self.where = f"{getattr(weights, 'model_dir', 'the MLX model')} (MLX weights)"
         view = to_hf(_SlotView(weights))
         self._slots: dict[str, _Slot] = {k: view[k] for k in view}
+        # A plain dict from to_hf, given real arrays, holds every dequantized
+        # tensor at once (LLaDA-2 splits its stacked experts into one); a lazy
+        # view (DiffusionGemma's Renamed) hands them over one at a time.
+        self.eager = isinstance(view, dict)
 
     def keys(self) -> Iterable[str]:
         return self._slots.keys()
@@ -202,6 +208,11 @@ class MlxSource:
 
     def numel(self) -> int:
         return sum(int(np.prod(s.shape, dtype=np.int64)) for s in self._slots.values())
+
+    def largest(self) -> int:
+        """Elements of the largest converted tensor (the unit a lazy to_hf hands over)."""
+        sizes = {s.name: int(np.prod(self.weights.shape(s.name), dtype=np.int64)) for s in self._slots.values()}
+        return max(sizes.values(), default=0)
 
     def read(self, names: list[str]) -> dict:
         import torch
@@ -221,18 +232,52 @@ def reference_bytes(source, dtype: str) -> int:
     return source.numel() * _ITEMSIZE.get(dtype, 4)
 
 
-def decide(option: Optional[bool], need: int) -> tuple[bool, str]:
-    """(stream?, why): ``option`` True/False forces it; None streams when the
-    reference would take over AUTO_FRACTION of the memory budget."""
+def whole_parts(source, dtype: str, mlx_bytes: int = 0) -> dict[str, int]:
+    """``{part: bytes}`` a whole-model (not layer-streamed) reference run holds
+    at its peak: the reference in ``dtype`` and, for the same-weights
+    reference (``source`` an ``MlxSource``), the MLX model loaded in this
+    process (``mlx_bytes``: its parameters as the runtime holds them, float32
+    where it upcast or dequantized at load) and the dequantized float32 weights
+    the reference is loaded from: all of them at once when the family's
+    ``to_hf`` builds a dict, else one tensor at a time (the largest, twice:
+    the dequantized array and its copy into the reference)."""
+    parts: dict[str, int] = {}
+    if mlx_bytes:
+        parts["the MLX model"] = int(mlx_bytes)
+    if isinstance(source, MlxSource):
+        if source.eager:
+            parts["its dequantized float32 weights"] = source.numel() * 4
+        else:
+            parts["its largest dequantized float32 tensor, twice"] = 2 * source.largest() * 4
+        parts[f"the reference with its weights in {dtype}"] = reference_bytes(source, dtype)
+    else:
+        parts[f"the reference in {dtype}"] = reference_bytes(source, dtype)
+    return parts
+
+
+def decide(option: Optional[bool], need: int | Mapping[str, int], held: int = 0) -> tuple[bool, str]:
+    """(stream?, why): ``option`` True/False forces it; None streams when a
+    whole-model run would take over AUTO_FRACTION of the memory budget.
+
+    ``need``: bytes, or ``{part: bytes}`` of everything the run would hold at
+    once (``whole_parts``; the why names each part). ``held``: bytes of it
+    already allocated by MLX (the loaded MLX model), which ``budget_bytes``
+    leaves out of the budget already: added back so it is not counted twice."""
     if option is not None:
         return bool(option), "--stream-layers" if option else "--no-stream-layers"
     from dlm.runtime.memory import budget_bytes
 
-    budget = budget_bytes()
-    stream = need > AUTO_FRACTION * budget
+    parts = dict(need) if isinstance(need, Mapping) else {"the reference": int(need)}
+    total = sum(parts.values())
+    budget = budget_bytes() + int(held)
+    stream = total > AUTO_FRACTION * budget
     word = "over" if stream else "within"
-    return stream, (f"the reference takes {need / 1e9:.2f} GB, {word} {int(AUTO_FRACTION * 100)}% of the "
-                    f"memory budget of {budget / 1e9:.2f} GB")
+    share = f"{word} {int(AUTO_FRACTION * 100)}% of the memory budget of {budget / 1e9:.2f} GB"
+    if len(parts) == 1:
+        (name, size), = parts.items()
+        return stream, f"{name} takes {size / 1e9:.2f} GB, {share}"
+    listed = " + ".join(f"{name} {size / 1e9:.2f} GB" for name, size in parts.items())
+    return stream, f"a whole-model run holds {total / 1e9:.2f} GB ({listed}), {share}"
 
 
 # ---------------------------------------------------------------------------

@@ -8,8 +8,12 @@ adapter (``dlm.verify.protocol``) does the model-specific work; the image
 rows (models with a vision tower) are ``dlm.verify.image_suite``'s.
 
 Each reference runs whole in memory or layer by layer (``dlm.verify.streaming``:
-``--stream-layers``, by default when it would take over half the memory
-budget); a streamed run gets a smaller default commit-stream budget. The first
+``--stream-layers``, by default when a whole-model run would take over half
+the memory budget: the reference and, for the same-weights reference, the
+loaded MLX model and the dequantized weights beside it,
+``streaming.whole_parts``); a streamed run gets a smaller default
+commit-stream budget. The same-weights reference dequantizes the MLX weights
+as the loaded model holds them (float32 scales where the runtime upcast). The first
 logits case (and the first image case) also yields per-layer hidden states of
 both frameworks (``dlm.verify.layers``), and every reference records per-phase
 timings in its run's meta (saved in bundles).
@@ -185,8 +189,9 @@ def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
     if expect_family and family.name != expect_family:
         raise ConfigError(f"reference {reference} is a {family.name} model; the converted model is {expect_family}")
     t = time.perf_counter()
-    need = S.reference_bytes(S.CheckpointSource(ref_path), options.reference_dtype)
-    streamed, why = S.decide(options.stream_layers, need)
+    parts = S.whole_parts(S.CheckpointSource(ref_path), options.reference_dtype)
+    need = sum(parts.values())
+    streamed, why = S.decide(options.stream_layers, parts)
     ref = adapter.load_reference(ref_path, dtype=options.reference_dtype,
                                  trust_remote_code=options.trust_remote_code, stream=streamed)
     load_s = time.perf_counter() - t
@@ -235,16 +240,36 @@ def _bundle_layer_cases(adapter, bundle: B.Bundle, images) -> list[str]:
     return list(bundle.original.hidden) or _layer_cases(adapter, bundle.cases, images)
 
 
-def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Options) -> B.ReferenceRun:
+def _mlx_bytes(loaded) -> int:
+    """Bytes of the loaded MLX model's parameters, as the runtime holds them
+    (float32 where it upcast or dequantized at load)."""
+    from mlx.utils import tree_flatten
+
+    seen: dict[int, int] = {}
+    for _, p in tree_flatten(loaded.model.parameters()):
+        seen[id(p)] = int(p.nbytes)
+    return sum(seen.values())
+
+
+def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Options,
+                 loaded=None) -> B.ReferenceRun:
     """The reference with exactly the converted model's (dequantized) weights,
-    in float32: what is left against MLX is its compute precision, and bugs."""
+    in float32: what is left against MLX is its compute precision, and bugs.
+
+    ``loaded``: the MLX model of this comparison (``LoadedModel``), if loaded:
+    its weights are dequantized as it holds them (float32 scales where the
+    runtime upcast them), and it counts towards the memory of a whole-model
+    run. Without it (``record --mlx``), in the stored precision."""
     config = read_json(mlx_dir / "config.json", "config")
     dtype = "float32"
     t = time.perf_counter()
-    dequantized = W.dequantized_weights(mlx_dir, config)
+    upcast = bool(getattr(loaded, "upcast", False))
+    dequantized = W.dequantized_weights(mlx_dir, config, upcast=upcast)
     source = S.MlxSource(dequantized, family.model().to_hf)
-    need = S.reference_bytes(source, dtype)
-    streamed, why = S.decide(options.stream_layers, need)
+    held = _mlx_bytes(loaded) if loaded is not None else 0
+    parts = S.whole_parts(source, dtype, mlx_bytes=held)
+    need = sum(parts.values())
+    streamed, why = S.decide(options.stream_layers, parts, held=held)
     if streamed:
         ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=source,
                                      trust_remote_code=options.trust_remote_code, stream=True)
@@ -260,8 +285,21 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
                          _bundle_layer_cases(adapter, bundle, images))
     run.meta["timings"]["load"] = round(load_s, 3)
     run.meta.update(dtype=dtype, fingerprint=W.fingerprint(mlx_dir), versions=_versions(),
-                    mode="streamed" if streamed else "whole", mode_reason=why, bytes=need)
+                    mode="streamed" if streamed else "whole", mode_reason=why, bytes=need,
+                    scales_dtype=dequantized.scales_dtype)
     return run
+
+
+def _scales_mismatch(matched: B.ReferenceRun, mlx_dir: Path, config: dict, upcast: bool) -> str:
+    """A note when a bundle's same-weights reference dequantized with scales in
+    another dtype than the loaded MLX model holds (bundles without the record:
+    their stored dtype), else ""."""
+    want = W.dequantized_weights(mlx_dir, config, upcast=upcast).scales_dtype
+    got = matched.meta.get("scales_dtype", W.dequantized_weights(mlx_dir, config).scales_dtype)
+    if got == want:
+        return ""
+    return (f"; but dequantized with {got} scales, where the MLX model holds {want} ones "
+            "(run without --bundle for exactly its weights)")
 
 
 def _generation_config_differences(settings: dict, generation_config: dict) -> list[str]:
@@ -382,13 +420,14 @@ def run_parity(mlx_dir, options: Options) -> Report:
         fp = W.fingerprint(mlx_dir)
         if bundle.matched is not None and bundle.matched.meta.get("fingerprint") == fp:
             matched, matched_note = bundle.matched, "recorded in the bundle for these exact weights"
+            matched_note += _scales_mismatch(matched, mlx_dir, config, loaded.upcast)
         else:
             try:
                 import torch  # noqa: F401
             except ImportError:
                 matched_note = "needs torch (or a bundle recorded with --mlx for these weights)"
             else:
-                matched = _matched_run(mlx_dir, bundle, family, adapter, options)
+                matched = _matched_run(mlx_dir, bundle, family, adapter, options, loaded=loaded)
                 matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
                 if matched.meta.get("mode") == "streamed":
                     matched_note += ", layer-streamed"

@@ -3,7 +3,13 @@ dequantized back to float32 (for implementation parity) and a fingerprint.
 
 Read straight from the safetensors on disk and the ``quantization`` block of
 config.json, independently of the runtime's loader, so that a loader bug
-cannot hide itself from the implementation-parity check.
+cannot hide itself from the implementation-parity check. Only one fact comes
+from the loaded model: whether the runtime upcast its half-precision
+parameters, quantization scales and biases included, to float32
+(``LoadedModel.upcast``, the CPU backend's float32 compute). Dequantizing with
+bfloat16 scales rounds every weight to bfloat16; with the float32 scales the
+runtime really holds, it does not, so the same-weights reference must be told
+which of the two the MLX model multiplies by.
 """
 
 from __future__ import annotations
@@ -84,16 +90,36 @@ def precision(model_dir: Path, config: dict | None = None,
     return Precision(label, compute, low, mode)
 
 
+_HALF = ("bfloat16", "float16")
+
+
+def _upcast_half(arr):
+    """``arr`` in float32 when it is half precision, as the runtime's
+    ``compute_in_float32`` casts every half parameter (exactly)."""
+    import mlx.core as mx
+
+    if arr is not None and arr.dtype in (mx.bfloat16, mx.float16):
+        return arr.astype(mx.float32)
+    return arr
+
+
 class DequantizedWeights(Mapping):
     """``{mlx_name: float32 numpy}`` of a converted directory, dequantized one
     tensor at a time on access (a 26B model never sits in memory twice).
+
+    ``upcast``: dequantize with the scales and biases cast to float32, as the
+    runtime holds them once it upcasts the model (``LoadedModel.upcast``);
+    else in their stored dtype (what the runtime computes with when it keeps
+    the stored precision: the quantized kernels, or the dequantize at load).
+    Either way the result is exactly the weights the MLX model multiplies by.
 
     Every read maps the shard afresh and drops it after, so nothing read stays
     resident: a layer-streamed reference reads each layer again on every
     forward pass in bounded memory."""
 
-    def __init__(self, model_dir: Path, config: dict):
+    def __init__(self, model_dir: Path, config: dict, upcast: bool = False):
         self.model_dir, self.config = Path(model_dir), config
+        self.upcast = bool(upcast)
         import mlx.core as mx
 
         # mx.load maps lazily: only names, shapes and dtypes are read here.
@@ -113,6 +139,17 @@ class DequantizedWeights(Mapping):
         )
         self._set = set(self._names)
         self._meta = meta
+
+    @property
+    def scales_dtype(self) -> str | None:
+        """The dtype the quantization scales are applied in ("float32",
+        "bfloat16", ...; several joined by ","), None when nothing is quantized."""
+        dtypes = set()
+        for name, (_, dtype) in self._meta.items():
+            if name.endswith(".scales") and name.rsplit(".", 1)[0] + ".weight" in self._meta:
+                key = str(dtype).replace("mlx.core.", "")
+                dtypes.add("float32" if self.upcast and key in _HALF else key)
+        return ",".join(sorted(dtypes)) if dtypes else None
 
     def __len__(self) -> int:
         return len(self._names)
@@ -169,9 +206,13 @@ class DequantizedWeights(Mapping):
                 module = self._module(name)
                 if module is not None:
                     params = self._params(module)
+                    scales = self._lookup(raw, module + ".scales")
+                    biases = self._lookup(raw, module + ".biases")
+                    if self.upcast:
+                        scales, biases = _upcast_half(scales), _upcast_half(biases)
                     try:
                         arr = mx.dequantize(
-                            arr, self._lookup(raw, module + ".scales"), self._lookup(raw, module + ".biases"),
+                            arr, scales, biases,
                             group_size=params["group_size"], bits=params["bits"], mode=params["mode"],
                         )
                     except Exception as exc:
@@ -194,12 +235,14 @@ class DequantizedWeights(Mapping):
         return mx.load(str(self._file[name]))[name]
 
 
-def dequantized_weights(model_dir: Path, config: dict | None = None) -> DequantizedWeights:
+def dequantized_weights(model_dir: Path, config: dict | None = None, upcast: bool = False) -> DequantizedWeights:
     """Every converted tensor under its MLX name, quantized ones dequantized,
-    as float32 numpy (what the weights *mean*, whatever their storage)."""
+    as float32 numpy (what the weights *mean*, whatever their storage).
+    ``upcast``: the loaded MLX model's ``LoadedModel.upcast`` (its half scales
+    and biases are float32: dequantize with them so)."""
     model_dir = Path(model_dir)
     config = config if config is not None else read_json(model_dir / "config.json", "config.json")
-    return DequantizedWeights(model_dir, config)
+    return DequantizedWeights(model_dir, config, upcast)
 
 
 def fingerprint(model_dir: Path) -> str:
