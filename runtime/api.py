@@ -40,6 +40,9 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
     # Token ids of each committed canvas/block as emitted (trimmed at EOS / budget).
     blocks: list[list[int]] = field(default_factory=list)
+    # Structured runs with logprobs: one dlm.runtime.structured.TokenLogprob per token.
+    logprobs: Optional[list] = None
+    tool_calls: list = field(default_factory=list)  # runs with tools: dlm.runtime.structured.toolcalls.ToolCall
 
     @property
     def steps_per_block(self) -> list[int]:
@@ -69,6 +72,7 @@ def encode_prompt(
     system: Optional[str] = None,
     chat_template: bool = True,
     enable_thinking: bool = False,
+    tools=None,
 ) -> list[int]:
     """Token ids of a text prompt.
 
@@ -80,7 +84,7 @@ def encode_prompt(
     ``encode_inputs``.
     """
     return encode_inputs(loaded, prompt, messages, system=system, chat_template=chat_template,
-                         enable_thinking=enable_thinking).ids
+                         enable_thinking=enable_thinking, tools=tools).ids
 
 
 def encode_inputs(
@@ -91,6 +95,7 @@ def encode_inputs(
     system: Optional[str] = None,
     chat_template: bool = True,
     enable_thinking: bool = False,
+    tools=None,
 ) -> PromptInputs:
     """A prompt with images, ready for ``generate`` / ``stream_generate``.
 
@@ -103,6 +108,8 @@ def encode_inputs(
     a chat template the raw ``prompt`` must hold one image token per image.
     Each image is preprocessed by the family (the model's own
     processor files) and its placeholder expanded to its soft tokens.
+    ``tools``: a ToolRequest (dlm.runtime.structured.tools.parse_tools) or
+    OpenAI tool dicts, rendered by the chat template.
     """
     tok = loaded.tokenizer
     if tok is None:
@@ -124,9 +131,12 @@ def encode_inputs(
             messages = [{"role": "system", "content": system}] + list(messages)
         if not getattr(tok, "chat_template", None):
             raise ConfigError(f"{loaded.path}: the tokenizer has no chat template (use raw text: --no-chat-template)")
+        extra = {}
+        if tools:
+            extra["tools"] = tools.template_tools() if hasattr(tools, "template_tools") else list(tools)
         try:
             text = tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+                messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking, **extra
             )
         except Exception as exc:
             raise GenerationError(f"chat template failed: {exc}") from None
@@ -187,11 +197,63 @@ def image_processor(loaded: LoadedModel):
     return loaded.image_processor
 
 
+def tool_format(loaded: LoadedModel, tools):
+    """The response format that forces ``tools``' calls (a ToolRequest whose
+    tool_choice is "required" or a function), or None."""
+    if tools is None or not tools.forced:
+        return None
+    from .structured.formats import TOOL_CALLS, ResponseFormat
+    from .structured.tools import call_grammar
+    from .text import _token_id
+
+    lark = call_grammar(tools, loaded.family.tool_syntax(), lambda text: _token_id(loaded.tokenizer, text))
+    return ResponseFormat(TOOL_CALLS, {}, where="tool_choice", lark=lark)
+
+
+def _split_tool_calls(events: Iterator[GenerationEvent], syntax) -> Iterator[GenerationEvent]:
+    """Events with the model's tool calls taken out of the text (structured.toolcalls)."""
+    from .structured.toolcalls import ToolCallSplitter
+
+    splitter = ToolCallSplitter(syntax)
+    for event in events:
+        event.text, event.tool_calls = splitter.feed(event.text, final=event.done)
+        if event.done and splitter.calls and event.finish_reason == "stop":
+            event.finish_reason = "tool_calls"
+        yield event
+
+
+def structured_output(response_format=None, logprobs: Optional[int] = None):
+    """The ``structured`` hook for a response format (OpenAI's ``response_format``
+    dict, a ResponseFormat, or None for plain text), or None; ``logprobs``: report
+    each token's log-probability and that many most likely allowed alternatives."""
+    from .structured import Structured, parse_response_format
+
+    fmt = parse_response_format(response_format)
+    if fmt is None:
+        if logprobs is not None:
+            raise GenerationError("logprobs are reported for structured output only (give a response format)")
+        return None
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= 20):
+        raise GenerationError(f"logprobs must be an integer in [0, 20], got {logprobs!r}")
+    return Structured(fmt, logprobs)
+
+
 def stream_generate(
     loaded: LoadedModel, prompt, options: Optional[dict] = None,
-    cancel: Optional[Callable[[], bool]] = None, **hooks,
+    cancel: Optional[Callable[[], bool]] = None, *, response_format=None,
+    logprobs: Optional[int] = None, tools=None, **hooks,
 ) -> Iterator[GenerationEvent]:
     """``prompt``: token ids, or the PromptInputs of ``encode_inputs`` (images).
+    ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}}}`` (dlm.runtime.structured):
+    the answer always parses and validates, or ends with finish_reason
+    "length"; ``logprobs`` (structured runs): events carry each token's
+    log-probability and that many most likely allowed alternatives.
+    ``tools``: a ToolRequest (dlm.runtime.structured.tools.parse_tools; render it
+    with ``encode_inputs(..., tools=)``): calls the model writes come out of the
+    text as ``event.tool_calls`` (finish_reason "tool_calls"); a forced
+    tool_choice constrains the output to calls whose arguments validate.
     Events: one per committed canvas/block in sequence order, then a final one
     with ``finish_reason`` ("stop" | "length" | "cancelled") and ``stats``.
     ``cancel`` is polled once per denoising step. Keyword hooks go to the
@@ -206,13 +268,23 @@ def stream_generate(
     ids, images = split_prompt(prompt)
     if images:
         hooks["images"] = images
-    return gen.stream_generate(loaded, ids, settings, cancel, **hooks)
+    forced = tool_format(loaded, tools)
+    if forced is not None:
+        if response_format is not None:
+            raise GenerationError("a forced tool_choice and a response_format cannot both shape the output")
+        response_format = forced
+    structured = structured_output(response_format, logprobs)
+    if structured is not None:
+        hooks["structured"] = structured
+    events = gen.stream_generate(loaded, ids, settings, cancel, **hooks)
+    return _split_tool_calls(events, loaded.family.tool_syntax()) if tools is not None else events
 
 
 def generate(
     loaded: LoadedModel, prompt, options: Optional[dict] = None,
     cancel: Optional[Callable[[], bool]] = None, **hooks,
 ) -> GenerationResult:
+    """``stream_generate``, collected (same keywords)."""
     result = GenerationResult()
     for event in stream_generate(loaded, prompt, options, cancel, **hooks):
         _take(result, event)
@@ -228,6 +300,9 @@ def _take(result: GenerationResult, event: GenerationEvent) -> None:
     else:
         result.token_ids.extend(event.token_ids)
         result.blocks.append(list(event.token_ids))
+        if event.logprobs is not None:
+            result.logprobs = (result.logprobs or []) + list(event.logprobs)
+    result.tool_calls.extend(event.tool_calls)
 
 
 def stream_generate_batch(

@@ -97,12 +97,20 @@ def compute_line(loaded) -> str:
 @click.option("--profile", is_flag=True, help="Print throughput, steps per canvas and peak memory to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--verbose", is_flag=True, help="Show every canvas/block after each denoising step on stderr.")
+@click.option("--json-schema", "json_schema_path", default=None, metavar="FILE.json",
+              help="Structured output: the answer is JSON valid against this JSON Schema (always parses; "
+                   "finish_reason 'length' when --max-tokens runs out first).")
+@click.option("--json-object", is_flag=True, help="Structured output: the answer is a JSON object.")
+@click.option("--logprobs", type=click.IntRange(0, 20), default=None, metavar="K",
+              help="With --json-schema/--json-object: each token's log-probability and the K most likely "
+                   "allowed alternatives (in --json output).")
 @click.option("--trace", "trace_path", default=None, metavar="FILE.html",
               help="Write every canvas/block and denoising step (tokens, accepted/revealed/renoised/edited "
                    "positions, entropy or confidence, temperature, why it stopped) to one self-contained "
                    "HTML page.")
 def generate(model_path, revision, prompt, prompt_ids, system, chat_template, thinking, image, audio, video,
-             profile, as_json, verbose, trace_path, trust_remote_code, compute_dtype, **options):
+             profile, as_json, verbose, json_schema_path, json_object, logprobs, trace_path, trust_remote_code,
+             compute_dtype, **options):
     """Generate text with a converted model.
 
     Output streams to stdout as canvases commit; reasoning (the thinking
@@ -114,7 +122,9 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
     try:
         check_flags(prompts_file, output, max_batch, {
             "--prompt": prompt, "--prompt-ids": prompt_ids, "--image": image, "--json": as_json,
-            "--verbose": verbose, "--trace": trace_path})
+            "--verbose": verbose, "--trace": trace_path, "--json-schema": json_schema_path,
+            "--json-object": json_object})
+        response_format = _response_format(json_schema_path, json_object, logprobs)
         if prompts_file is not None:
             items = read_prompts(prompts_file)  # before the (slow) model load
             loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
@@ -157,11 +167,13 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
         view = live_view(loaded) if verbose else None
         trace = step_trace.for_run(loaded) if trace_path else None
         hooks = {**({"watch": view} if view else {}), **({"step_trace": trace} if trace else {})}
+        if response_format is not None:
+            hooks.update(response_format=response_format, logprobs=logprobs)
         events = api.stream_generate(loaded, prompt_input, options, **hooks)
         if trace is not None:
             events = trace.follow(events)
         start = time.perf_counter()
-        token_ids, text, reasoning, blocks = [], [], [], []
+        token_ids, text, reasoning, blocks, token_logprobs = [], [], [], [], []
         final = None
         for event in events:
             if event.done:
@@ -169,6 +181,7 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
             else:
                 token_ids.extend(event.token_ids)
                 blocks.append(len(event.token_ids))
+                token_logprobs.extend(event.logprobs or [])
             text.append(event.text)
             reasoning.append(event.reasoning)
             if not as_json:
@@ -183,12 +196,16 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
         fail(str(exc))
     stats = final.stats
     if as_json:
-        click.echo(json.dumps({
+        out = {
             "prompt_ids": ids, "token_ids": token_ids, "text": "".join(text),
             "reasoning": "".join(reasoning), "finish_reason": final.finish_reason,
             "steps_per_canvas": stats.steps_per_block, "tokens_per_canvas": blocks,
             "stats": stats.to_dict(), "wall_seconds": wall,
-        }))
+        }
+        if logprobs is not None:
+            out["logprobs"] = [{"token_id": r.token, "logprob": r.logprob,
+                                "top": [{"token_id": t, "logprob": lp} for t, lp in r.top]} for r in token_logprobs]
+        click.echo(json.dumps(out))
     else:
         click.echo()
     if profile:
@@ -201,6 +218,35 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
             click.echo(f"trace: {trace_html.write(trace_path, data)}", err=True)
         except DlmError as exc:
             fail(str(exc))
+
+
+def _response_format(path, json_object: bool, logprobs):
+    """The response format of --json-schema / --json-object (the file read and
+    checked before the model loads), or None."""
+    from .structured import json_schema, parse_response_format
+
+    if path is not None and json_object:
+        raise click.UsageError("give --json-schema or --json-object, not both")
+    if logprobs is not None and path is None and not json_object:
+        raise click.UsageError("--logprobs goes with --json-schema or --json-object")
+    if json_object:
+        return parse_response_format({"type": "json_object"})
+    if path is None:
+        return None
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DlmError(f"--json-schema {path}: cannot read it: {exc}") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise DlmError(f"--json-schema {path}: not JSON: {exc}") from None
+    fmt = json_schema(schema, where=f"--json-schema {path}")
+    # Compile it now: a schema the grammar engine refuses fails before the model loads.
+    from .structured.grammar import check_grammar, compile_grammar
+
+    check_grammar(compile_grammar(fmt), None, fmt.where)
+    return fmt
 
 
 def _register() -> None:

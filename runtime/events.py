@@ -57,6 +57,11 @@ class GenerationEvent:
     reasoning: str = ""
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
     stats: Optional[GenerationStats] = None
+    # Structured runs asked for logprobs: one dlm.runtime.structured.TokenLogprob per token_ids entry.
+    logprobs: Optional[list] = None
+    # Runs with tools: the calls completed in this event (dlm.runtime.structured.toolcalls.ToolCall);
+    # their text is not in ``text``.
+    tool_calls: list = field(default_factory=list)
 
     @property
     def done(self) -> bool:

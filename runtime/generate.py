@@ -29,6 +29,7 @@ class Block:
     steps: int = 0  # forwards spent on it
     stopped_early: bool = False  # before its step budget
     cancelled: bool = False
+    logprobs: Optional[list] = None  # structured runs: one TokenLogprob per token (before trimming)
 
 
 @dataclass
@@ -102,7 +103,9 @@ class Progress:
     def __init__(self, session: Session, loaded, prompt_ids: list[int]):
         tokenizer = getattr(loaded, "tokenizer", None)
         self.session = session
-        self.text = (ChannelParser(tokenizer, prompt_ids, session.skip_special_tokens)
+        family = getattr(loaded, "family", None)
+        keep = family.tool_syntax().marker_tokens() if family is not None else ()
+        self.text = (ChannelParser(tokenizer, prompt_ids, session.skip_special_tokens, keep)
                      if tokenizer is not None else _NoText())
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_name=session.block_name)
         self.produced, self.finish = 0, "length"
@@ -138,7 +141,8 @@ class Progress:
             self.finish = "stop"
         # A session that commits nothing would never reach the budget.
         self.done = stopped or not block.tokens or self.produced >= self.session.budget
-        return GenerationEvent(token_ids=tokens, text=answer, reasoning=reasoning)
+        logprobs = None if block.logprobs is None else block.logprobs[:len(tokens)]
+        return GenerationEvent(token_ids=tokens, text=answer, reasoning=reasoning, logprobs=logprobs)
 
     def final(self, generation_seconds: float, peak_memory_gb: float) -> GenerationEvent:
         stats = self.stats

@@ -36,6 +36,10 @@ class Family:
         """Its generation options (dlm.runtime.options.Option declarations)."""
         return importlib.import_module(f"dlm.runtime.models.{self.name}.options").OPTIONS
 
+    def tool_syntax(self):
+        """How its models write tool calls (dlm.runtime.structured.tools.ToolSyntax)."""
+        return importlib.import_module(f"dlm.runtime.models.{self.name}.tools").TOOL_SYNTAX
+
     def reference(self) -> ModuleType:
         """The dlm-verify adapter (dlm.verify.protocol)."""
         return importlib.import_module(f"dlm.verify.{self.name}.adapter")

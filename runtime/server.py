@@ -33,9 +33,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import DlmError, GenerationError
-from .events import GenerationEvent, GenerationStats
+from .events import GenerationEvent
 from .images import ImageError, ImageLimits, open_url
 from .inputs import PromptInputs
+from .structured.openai import logprobs_body
+from .server_output import Output
 from .server_requests import (OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat,
                               parse_completion)
 from .worker import DEFAULT_MAX_BATCH, GenerationWorker, Job, QueueFull, WorkerStopped
@@ -46,76 +48,6 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_IMAGE_BODY_BYTES = 32 * 1024 * 1024
 # Runtime option -> the request field that sets it (temp <- temperature, ...).
 FIELD_OF = {option.name: field for field, option in OPTION_FIELDS.items()}
-
-
-class StopMatcher:
-    """Applies ``stop`` strings to text that arrives in pieces.
-
-    ``feed`` returns the text that is safe to emit: everything before the first
-    stop string, holding back a tail that could still grow into one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.pending = ""
-        self.hit = False
-
-    def feed(self, text: str) -> str:
-        if self.hit:
-            return ""
-        buf = self.pending + text
-        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.hit, self.pending = True, ""
-            return buf[: min(found)]
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
-        self.pending = buf[len(buf) - hold:]
-        return buf[: len(buf) - hold]
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return "" if self.hit else out
-
-
-class _Output:
-    """Accumulates one request's events: text after stop strings, reasoning,
-    token count, finish reason and stats."""
-
-    def __init__(self, stops: list[str]):
-        self.matcher = StopMatcher(stops)
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.tokens = 0
-        self.finish_reason: Optional[str] = None
-        self.stats: Optional[GenerationStats] = None
-
-    def add(self, event: GenerationEvent) -> tuple[str, str]:
-        """Take one event; returns the (reasoning, text) deltas to emit now."""
-        if self.finish_reason is not None:
-            return "", ""
-        self.tokens += len(event.token_ids)
-        reasoning = event.reasoning or ""
-        text = self.matcher.feed(event.text or "")
-        if self.matcher.hit:
-            self.finish_reason = "stop"
-        elif event.done:
-            text += self.matcher.flush()
-            # "cancelled" without a client disconnect means a shutdown; report
-            # it as a stop, as mlxcel does.
-            self.finish_reason = "length" if event.finish_reason == "length" else "stop"
-        if event.stats is not None:
-            self.stats = event.stats
-        self.reasoning.append(reasoning)
-        self.text.append(text)
-        return reasoning, text
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.stats.completion_tokens if self.stats is not None else self.tokens
 
 
 def _error_body(exc: BaseException) -> tuple[int, dict]:
@@ -185,12 +117,12 @@ class _JobResponse(Response):
                 tg.cancel_scope.cancel()
 
     # -- pieces ------------------------------------------------------------
-    def _usage(self, out: _Output) -> dict:
+    def _usage(self, out: Output) -> dict:
         completion = out.completion_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    def _timings(self, out: _Output) -> dict:
+    def _timings(self, out: Output) -> dict:
         """Serial serving: queueing is part of the latency a client sees."""
         stats = out.stats
         timings = {"queue_seconds": round(self.job.queue_seconds, 6),
@@ -215,7 +147,7 @@ class _JobResponse(Response):
         await JSONResponse(body, status_code=status)(self.scope, None, send)
 
     async def _complete(self, send) -> None:
-        out = _Output(self.req.stop)
+        out = Output(self.req.stop)
         try:
             async for event in _events(self.job):
                 out.add(event)
@@ -226,17 +158,24 @@ class _JobResponse(Response):
             return
         finish = out.finish_reason or "stop"
         text = "".join(out.text)
+        logprobs = self._logprobs(out.logprobs if self.req.logprobs is not None else None)
         if self.req.kind == "chat":  # reasoning is left out of non-streaming answers
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if out.tool_calls:
+                message = {"role": "assistant", "content": text or None,
+                           "tool_calls": [c.to_openai() for c in out.tool_calls]}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         body = {**self._head(), "choices": [choice], "usage": self._usage(out),
                 "timings": self._timings(out)}
         await self._send_json(send, 200, body)
 
+    def _logprobs(self, records: Optional[list], offset: int = 0) -> Optional[dict]:
+        return logprobs_body(self.req.kind, records, self.server.loaded.tokenizer, offset)
+
     def _chunk(self, reasoning: str = "", text: str = "", finish: Optional[str] = None,
-               role: bool = False) -> dict:
+               role: bool = False, logprobs: Optional[dict] = None, tool_calls: Optional[list] = None) -> dict:
         if self.req.kind == "chat":
             delta: dict = {}
             if role:
@@ -246,13 +185,15 @@ class _JobResponse(Response):
                 delta["reasoning_content"] = reasoning
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(), "choices": [choice]}
 
     async def _stream(self, send) -> None:
-        out = _Output(self.req.stop)
+        out = Output(self.req.stop)
         events = _events(self.job)
         # Hold the status line until the worker answers: a request the runtime
         # refuses before generating still gets a proper 4xx.
@@ -274,11 +215,16 @@ class _JobResponse(Response):
             await body(_sse(self._chunk(role=True)))
 
         async def emit(event: GenerationEvent) -> None:
+            before = len(out.tool_calls)
             reasoning, text = out.add(event)
             if reasoning and self.req.kind == "chat":
                 await body(_sse(self._chunk(reasoning=reasoning)))
             if text:
-                await body(_sse(self._chunk(text=text)))
+                records = out.delta_logprobs if self.req.logprobs is not None else None
+                await body(_sse(self._chunk(text=text, logprobs=self._logprobs(records))))
+            calls = [c.to_openai(before + i) for i, c in enumerate(out.tool_calls[before:])]
+            if calls and self.req.kind == "chat":
+                await body(_sse(self._chunk(tool_calls=calls)))
 
         try:
             if first is not None:
@@ -368,11 +314,13 @@ class _Server:
                 pictures = self.open_images(req)
                 with self.tokenizer_lock:
                     return self.runtime.encode_inputs(self.loaded, messages=req.messages, images=pictures,
-                                                      chat_template=True, enable_thinking=thinking)
+                                                      chat_template=True, enable_thinking=thinking,
+                                                      tools=req.tools)
         with self.tokenizer_lock:
             if req.kind == "chat":
                 return PromptInputs(list(self.runtime.encode_prompt(
-                    self.loaded, messages=req.messages, chat_template=True, enable_thinking=thinking)))
+                    self.loaded, messages=req.messages, chat_template=True, enable_thinking=thinking,
+                    tools=req.tools)))
             return PromptInputs(list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt,
                                                                 chat_template=False)))
 
@@ -384,6 +332,17 @@ class _Server:
             except ImageError as exc:
                 raise bad(str(exc), where) from None
         return out
+
+    def check_structured(self, req: ParsedRequest) -> None:
+        from .structured import StructuredError, build_constraint
+
+        try:
+            fmt = req.response_format or self.runtime.tool_format(self.loaded, req.tools)
+            with self.tokenizer_lock:
+                build_constraint(fmt, self.loaded.tokenizer, self.loaded.args.vocab_size,
+                                 self.loaded.args.eos_token_ids)
+        except StructuredError as exc:
+            raise bad(str(exc), exc.param) from None
 
     def check_request_options(self, requested: dict, options: dict):
         """The family's settings for ``options``, or a 400 naming the request
@@ -427,12 +386,19 @@ class _Server:
             raise bad(str(exc)) from None
         loaded, runtime = self.loaded, self.runtime
         prompt = inputs if images else prompt_ids
+        structured = {}
+        if req.response_format is not None or (req.tools is not None and req.tools.forced):
+            # compiled now: a schema the grammar engine refuses is a 400
+            await run_in_threadpool(self.check_structured, req)
+            structured = {"response_format": req.response_format, "logprobs": req.logprobs}
+        if req.tools is not None:
+            structured["tools"] = req.tools
 
         def run(cancel):
-            return runtime.stream_generate(loaded, prompt, options, cancel=cancel)
+            return runtime.stream_generate(loaded, prompt, options, cancel=cancel, **structured)
 
-        try:
-            job = self.worker.submit(run, request=(prompt, options))
+        try:  # structured runs go alone (the batcher runs unconstrained canvases)
+            job = self.worker.submit(run, request=None if structured else (prompt, options))
         except QueueFull as exc:
             raise RequestError(429, str(exc), err_type="rate_limit_error") from None
         except WorkerStopped as exc:

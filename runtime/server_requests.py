@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from .images import DEFAULT_MAX_IMAGES
 from .options import OptionError, request_options
+from .structured import ResponseFormat, StructuredError, parse_response_format
+from .structured.tools import ToolRequest, parse_tools
 
 MAX_STOP_STRINGS = 4
 
@@ -74,24 +76,19 @@ NEUTRAL_FIELDS = {
     "n": (1,),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
-    "parallel_tool_calls": (True, False),  # with no tools, either way nothing
-    "response_format": ({"type": "text"},),
     "store": (False,),
     "service_tier": ("auto", "default"),
 }
 COMPLETION_NEUTRAL_FIELDS = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
 COMMON_FIELDS = (set(OPTION_FIELDS) | IGNORED_FIELDS | set(NEUTRAL_FIELDS)
-                 | {"max_tokens", "stop", "stream", "stream_options"})
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+                 | {"max_tokens", "stop", "stream", "stream_options", "response_format", "logprobs"})
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs",
+                               "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL_FIELDS) | {"prompt"}
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MESSAGE_KEYS = {"role", "content", "name", "reasoning_content"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MESSAGE_KEYS = {"role", "content", "name", "reasoning_content", "tool_calls", "tool_call_id"}
 IMAGE_PARTS = {"image_url", "input_image", "image"}
 DETAILS = ("auto", "low", "high")
 AUDIO_PARTS = {"input_audio", "audio_url", "audio"}
@@ -119,6 +116,9 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     enable_thinking: Optional[bool] = None
     images: list[tuple[str, str]] = field(default_factory=list)  # (content part, URL), in prompt order
+    response_format: Optional[ResponseFormat] = None  # structured output (dlm.runtime.structured)
+    logprobs: Optional[int] = None  # structured output: alternatives per token (0: the token's own only)
+    tools: Optional[ToolRequest] = None  # tools / tool_choice (None: none, or tool_choice "none")
 
 
 def _check_fields(body: dict, allowed: set[str], route: str) -> None:
@@ -179,6 +179,28 @@ def _common(body: dict, req: ParsedRequest) -> None:
                       "stream_options")
         if opts.get("include_usage") is not None:
             req.include_usage = _bool(opts["include_usage"], "stream_options.include_usage")
+    try:
+        req.response_format = parse_response_format(body.get("response_format"))
+    except StructuredError as exc:
+        raise bad(str(exc), exc.param) from None
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise bad(f"'{name}' must be an integer in [{low}, {high}], got {json.dumps(value)}", name)
+    return value
+
+
+def _logprobs(req: ParsedRequest, wanted: Optional[int], name: str) -> None:
+    """Logprobs are reported where dlm computes a distribution per committed
+    token under a grammar: structured output."""
+    if wanted is None:
+        return
+    if req.response_format is None:
+        raise bad(f"'{name}' is supported with structured output only (response_format json_object or "
+                  "json_schema): a diffusion canvas commits positions in any order, and dlm reports the "
+                  "log-probabilities of the tokens a grammar frontier commits", name)
+    req.logprobs = wanted
 
 
 def _content(content: Any, where: str, role: str, caps: ModelCaps, images: list) -> str | list:
@@ -252,6 +274,13 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
     _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     req = ParsedRequest(kind="chat")
     _common(body, req)
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _int(top, "top_logprobs", 0, 20)
+    if body.get("logprobs") is not None and _bool(body["logprobs"], "logprobs"):
+        _logprobs(req, top or 0, "logprobs")
+    elif top:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if body.get("max_completion_tokens") is not None:
         try:
             req.options["max_tokens"] = OPTION_FIELDS["max_tokens"].check(
@@ -287,9 +316,17 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
                       f"{where}.role")
         # reasoning_content of earlier assistant turns is dropped on purpose:
         # thoughts stay out of the multi-turn history (model card).
-        out.append({"role": ROLES[role],
-                    "content": _content(msg.get("content"), where, ROLES[role], caps, images)})
-    if not any(m["content"] for m in out):
+        message = {"role": ROLES[role], "content": _content(msg.get("content"), where, ROLES[role], caps, images)}
+        _tool_fields(msg, message, where)
+        out.append(message)
+    try:
+        req.tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except StructuredError as exc:
+        raise bad(str(exc), exc.param) from None
+    if req.tools is not None and req.tools.forced and req.response_format is not None:
+        raise bad("'tool_choice' forces a tool call, so 'response_format' cannot also shape the answer",
+                  "response_format")
+    if not any(m["content"] or m.get("tool_calls") for m in out):
         raise bad("the prompt is empty: every message has empty content", "messages")
     if len(images) > caps.max_images:
         first = images[caps.max_images][0]
@@ -299,12 +336,51 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
     return req
 
 
+def _tool_fields(msg: dict, message: dict, where: str) -> None:
+    """An assistant turn's ``tool_calls`` (arguments as objects, as chat templates
+    take them) and a tool turn's ``tool_call_id`` / ``name``, checked."""
+    role = message["role"]
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise bad(f"'{where}.tool_calls' belongs to an assistant message", f"{where}.tool_calls")
+        if not isinstance(calls, list):
+            raise bad(f"'{where}.tool_calls' must be a list", f"{where}.tool_calls")
+        out = []
+        for j, call in enumerate(calls):
+            cwhere = f"{where}.tool_calls[{j}]"
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad(f"'{cwhere}' must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                          f"\"arguments\": \"{{...}}\"}}}}", cwhere)
+            args = fn.get("arguments", "{}")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args or "{}")
+                except ValueError as exc:
+                    raise bad(f"'{cwhere}.function.arguments' is not JSON: {exc}", f"{cwhere}.function.arguments") \
+                        from None
+            if not isinstance(args, dict):
+                raise bad(f"'{cwhere}.function.arguments' must be a JSON object", f"{cwhere}.function.arguments")
+            out.append({"id": call.get("id"), "type": "function",
+                        "function": {"name": _str(fn["name"], f"{cwhere}.function.name"), "arguments": args}})
+        message["tool_calls"] = out
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if msg.get(key) is not None:
+                message[key] = _str(msg[key], f"{where}.{key}")
+    elif msg.get("tool_call_id") is not None:
+        raise bad(f"'{where}.tool_call_id' belongs to a tool message", f"{where}.tool_call_id")
+
+
 def parse_completion(body: Any, caps: ModelCaps) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
     req = ParsedRequest(kind="completion")
     _common(body, req)
+    if body.get("logprobs") not in (None, False):
+        _logprobs(req, _int(body["logprobs"], "logprobs", 0, 5), "logprobs")
     _check_neutral(body, COMPLETION_NEUTRAL_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -9,7 +9,8 @@ reasoning. Text is re-decoded from all ids of a stream on every feed and only
 the new suffix is returned, so multi-byte characters split across canvases
 come out whole. A tokenizer without channel markers (LLaDA-2) has only answer
 text; a family whose special tokens carry no text decodes with
-``skip_special_tokens``.
+``skip_special_tokens``, except the ``keep`` tokens (the family's tool-call
+markers), whose text stays so that calls can be parsed from the answer.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ class _Stream:
 class ChannelParser:
     """feed(ids) -> (text_delta, reasoning_delta); flush() returns what was held back."""
 
-    def __init__(self, tokenizer, prompt_ids: Optional[list[int]] = None, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer, prompt_ids: Optional[list[int]] = None, skip_special_tokens: bool = False,
+                 keep: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.keep = {tid: text for text in keep if (tid := _token_id(tokenizer, text)) is not None}
         self.open_id = _token_id(tokenizer, OPEN)
         self.close_id = _token_id(tokenizer, CLOSE)
         self.answer: list[int] = []
@@ -71,7 +74,20 @@ class ChannelParser:
         self._text, self._reasoning = _Stream(), _Stream()
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        if not ids:
+            return ""
+        if not (self.skip_special_tokens and self.keep and any(t in self.keep for t in ids)):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        parts, run = [], []
+        for t in ids:
+            if t in self.keep:
+                parts.append(self.tokenizer.decode(run, skip_special_tokens=True) if run else "")
+                parts.append(self.keep[t])
+                run = []
+            else:
+                run.append(t)
+        parts.append(self.tokenizer.decode(run, skip_special_tokens=True) if run else "")
+        return "".join(parts)
 
     def _reasoning_text(self, final: bool) -> str:
         parts = []

@@ -10,6 +10,7 @@ output.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -131,6 +132,30 @@ def test_deterministic_commit_stream_matches_the_reference(family_case):
         assert want.tokens, "the reference committed nothing"
         assert got.tokens == want.tokens
         assert got.steps_per_block == want.steps_per_block
+
+
+def test_structured_output_and_forced_tool_calls_validate(family_case):
+    """Every family runs its canvases/blocks under a grammar (its structured.py)
+    and declares its tool-call syntax (its tools.py)."""
+    import jsonschema
+
+    from dlm.runtime.structured.tools import ToolSyntax, parse_tools
+
+    family, _, _, mlx_dir = family_case
+    assert isinstance(family.tool_syntax(), ToolSyntax)
+    loaded = api.load(mlx_dir)
+    ids = api.encode_prompt(loaded, "JSON please")
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}},
+              "required": ["k", "n"], "additionalProperties": False}
+    result = api.generate(loaded, ids, {"max_tokens": 64, "seed": 0},
+                          response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert result.finish_reason == "stop"
+    jsonschema.validate(json.loads(result.text), schema)
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}], "required")
+    result = api.generate(loaded, api.encode_prompt(loaded, "call f", tools=tools), {"max_tokens": 64, "seed": 0},
+                          tools=tools)
+    assert result.finish_reason == "tool_calls" and [c.name for c in result.tool_calls] == ["f"]
+    jsonschema.validate(json.loads(result.tool_calls[0].arguments), schema)
 
 
 def test_quantized_model_matches_its_dequantized_float_twin(family_case, tmp_path):

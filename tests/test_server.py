@@ -236,9 +236,13 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a" * 4095}, 400, "context of 4096"),  # + the default 8 tokens
     ("chat", {"messages": MSGS, "frequency_penalty": 0.5, "logprobs": False}, 400,
      "'frequency_penalty' must be 0 (got 0.5)"),
-    ("chat", {"messages": MSGS, "logprobs": True}, 400, "'logprobs' must be false"),
-    ("chat", {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools'"),
-    ("chat", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400, "'response_format'"),
+    ("chat", {"messages": MSGS, "logprobs": True}, 400, "'logprobs' is supported with structured output only"),
+    ("chat", {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400,
+     "'tools[0].function.name'"),
+    ("chat", {"messages": MSGS, "tool_choice": "required"}, 400, "no 'tools'"),
+    ("chat", {"messages": MSGS, "response_format": {"type": "yaml"}}, 400, "'response_format.type'"),
+    ("chat", {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, 400, "Invalid type: bogus"),
     ("chat", {"messages": MSGS, "made_up": 1}, 400, "unsupported field(s) for /v1/chat/completions: 'made_up'"),
     ("chat", {"messages": MSGS, "block_length": 4}, 400, "block_length"),
     ("chat", {"messages": MSGS, "stream": True, "top_k": 5}, 400, "top_k"),
@@ -448,7 +452,9 @@ def test_api_key_is_required_on_every_route(dg, serving):
 
 # `dlm-run generate` parameters about the prompt and the output, not the generation.
 PROMPT_PARAMS = {"model_path", "prompt", "prompt_ids", "system", "chat_template", "image", "audio",
-                 "video", "profile", "as_json", "verbose", "prompts_file", "output", "trace_path"}
+                 "video", "profile", "as_json", "verbose", "prompts_file", "output", "trace_path",
+                 # per request on the server: response_format, logprobs
+                 "json_schema_path", "json_object", "logprobs"}
 
 
 def test_serve_takes_generates_generation_flags():

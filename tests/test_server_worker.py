@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dlm.runtime.server import StopMatcher
+from dlm.runtime.server_output import StopMatcher
 from dlm.runtime.worker import GenerationWorker, QueueFull, WorkerStopped
 
 

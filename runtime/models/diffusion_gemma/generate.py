@@ -39,6 +39,7 @@ from .canvas import DebugDraws, DenoiseConfig, RandomDraws, StepHook, denoise_ca
 from .config import SLIDING
 from .model import image_blocks
 from .options import OPTIONS
+from .structured import denoise_structured
 from .trace import CanvasTracer
 
 
@@ -118,7 +119,7 @@ class CanvasSession:
     def __init__(self, loaded, prompt_ids: list[int], settings: Settings,
                  cancel: Optional[Callable[[], bool]] = None, on_step: Optional[StepHook] = None,
                  prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
-                 images: Optional[list] = None, step_trace=None):
+                 images: Optional[list] = None, step_trace=None, structured=None):
         self.model, args = loaded.model, loaded.args
         self.step_trace = step_trace  # a dlm.runtime.trace.Trace (--trace), or None
         self.prompt_ids = [int(t) for t in prompt_ids]
@@ -145,6 +146,14 @@ class CanvasSession:
         self.cache, self.pending = None, None
         self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
         self.canvas_index = 0
+        # Structured output (dlm.runtime.structured): a grammar frontier over the canvases.
+        self.frontier = None
+        if structured is not None:
+            if step_trace is not None:
+                raise GenerationError("--trace does not apply to structured output (response_format / "
+                                      "--json-schema); trace the unconstrained run")
+            self.frontier = structured.frontier(loaded.tokenizer, args.vocab_size, settings.eos_token_ids,
+                                                self.budget)
 
     def _image_blocks(self, args) -> np.ndarray:
         """Image block ids per prompt position, checked against the images' soft tokens."""
@@ -244,6 +253,8 @@ class CanvasSession:
                 self.prefix.ids.extend(self.pending[0].tolist())
         length = S.canvas_length(remaining, s.min_canvas, s.max_canvas, s.full_canvas)
         self.canvas_index += 1
+        if self.frontier is not None:
+            return self._structured_block(length)
         tracer = (None if self.step_trace is None
                   else CanvasTracer(self.step_trace, self.canvas_index - 1, length, self.denoise))
         result = denoise_canvas(
@@ -257,6 +268,21 @@ class CanvasSession:
         self.pending = result.tokens
         return Block(result.tokens[0].tolist(), result.steps, result.stopped_early)
 
+    def _structured_block(self, length: int) -> Block:
+        model, cache, frontier = self.model, self.cache, self.frontier
+        scored = len(frontier.records)
+        watch = None
+        if self.watch is not None:
+            index = self.canvas_index - 1
+            watch = lambda step, ids: self.watch(index, step, ids)  # noqa: E731
+        result = denoise_structured(lambda c, sc: model.decode(c, cache, sc), self.draws, length, self.denoise,
+                                    frontier, self.settings.eos_token_ids[0], self.cancel, watch)
+        if result.cancelled:
+            return Block(steps=result.steps, cancelled=True)
+        self.pending = mx.array(result.tokens[:length], dtype=mx.int32)[None]
+        logprobs = frontier.records[scored:] if frontier.logprobs is not None else None
+        return Block(result.tokens, result.steps, result.steps < self.denoise.steps, logprobs=logprobs)
+
 
 Session = CanvasSession
 
@@ -265,7 +291,7 @@ def stream_generate(
     loaded, prompt_ids: list[int], settings: Settings,
     cancel: Optional[Callable[[], bool]] = None, *, on_step: Optional[StepHook] = None,
     prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
-    images: Optional[list] = None, step_trace=None,
+    images: Optional[list] = None, step_trace=None, structured=None,
 ) -> Iterator[GenerationEvent]:
     """Events: one per committed canvas (sequence order), then a final event.
 
@@ -273,8 +299,9 @@ def stream_generate(
     ``watch(canvas_index, step, token_ids)``: the canvas after every step (--verbose);
     ``prefix``: a PrefixState kept across runs (chat); ``images``: the
     ImageInputs of a PromptInputs (their placeholders are in ``prompt_ids``);
-    ``step_trace``: a dlm.runtime.trace.Trace that records every step (--trace).
+    ``step_trace``: a dlm.runtime.trace.Trace that records every step (--trace);
+    ``structured``: a dlm.runtime.structured.Structured (the output follows its grammar).
     """
     session = CanvasSession(loaded, prompt_ids, settings, cancel, on_step, prefix, watch, images,
-                            step_trace=step_trace)
+                            step_trace=step_trace, structured=structured)
     return run(session, loaded, session.prompt_ids, cancel)

@@ -60,6 +60,7 @@ from .options import (
     THRESHOLD,
 )
 from .sampling import UniformStream, reveal, sample, transfer_quota
+from .structured import denoise_structured
 from .trace import BlockTracer
 
 PREFILL_STEP = 2048
@@ -186,7 +187,7 @@ _HOOKS = (
     "stop_on_role_end", "editing_threshold",
 )
 # Hooks of the session itself rather than of Settings.
-_SESSION_HOOKS = ("prefix", "watch")
+_SESSION_HOOKS = ("prefix", "watch", "structured")
 
 
 def stream_generate(
@@ -202,18 +203,26 @@ def stream_generate(
     editing_threshold (None: 2.0 decoding);
     ``stop_ids`` replaces the stop-token set; ``watch(block_index, step, token_ids)``
     sees the block after every step (--verbose); ``prefix`` is a PrefixState kept
-    across runs (chat)."""
+    across runs (chat); ``structured`` (a dlm.runtime.structured.Structured): the
+    output follows its grammar."""
     if hooks.pop("images", None):
         raise GenerationError("image input is not supported: LLaDA-2 is text-only")
     unknown = sorted(set(hooks) - set(_HOOKS) - set(_SESSION_HOOKS))
     if unknown:
         raise GenerationError(f"unknown LLaDA-2 generation hook(s): {', '.join(unknown)}")
+    structured = hooks.pop("structured", None)
     extra = {k: hooks.pop(k) for k in _SESSION_HOOKS if k in hooks}
     if hooks:
         settings = replace(settings, **hooks)
     session = BlockSession(loaded, list(prompt_ids), settings, cancel, **extra)
     if stop_ids is not None:
         session.set_stops(stop_ids)
+    if structured is not None:
+        if settings.step_trace is not None:
+            raise GenerationError("--trace does not apply to structured output (response_format / "
+                                  "--json-schema); trace the unconstrained run")
+        session.frontier = structured.frontier(loaded.tokenizer, loaded.args.vocab_size, session.stop_ids,
+                                               session.budget)
     return run(session, loaded, session.prompt, cancel)
 
 
@@ -228,6 +237,7 @@ class BlockSession:
                  prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None):
         self.model, self.s, self.cancel = loaded.model, s, cancel
         self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
+        self.frontier = None  # structured output: a dlm.runtime.structured.Frontier (set by stream_generate)
         self.tracer: Optional[BlockTracer] = None  # --trace: the current block's
         self.skip_special_tokens = s.skip_special_tokens
         self.prompt = prompt_ids
@@ -370,7 +380,10 @@ class BlockSession:
         self.tracer = None if self.s.step_trace is None else BlockTracer(self, b, start, gen_from, need)
         # The hub denoises the whole block, including positions past the
         # budget (they influence the rest); only the stop test uses ``need``.
-        if self.editing is None:
+        scored = len(self.frontier.records) if self.frontier is not None else 0
+        if self.frontier is not None:
+            block, steps, cancelled = denoise_structured(self, b, start, block, gen_from, need)
+        elif self.editing is None:
             in_gen = mx.arange(bl) >= gen_from
             block, steps, cancelled = self._denoise(b, start, block, in_gen, need)
         else:
@@ -385,7 +398,10 @@ class BlockSession:
             self.pending = block
         else:
             self.committed = mx.array(self.x[: start + bl])
-        return Block(out[gen_from:need].tolist(), steps, steps < self.steps)
+        logprobs = None
+        if self.frontier is not None and self.frontier.logprobs is not None:
+            logprobs = self.frontier.records[scored:]
+        return Block(out[gen_from:need].tolist(), steps, steps < self.steps, logprobs=logprobs)
 
     def _denoise(self, b: int, start: int, block, in_gen, need: int):
         """LLaDA2.0: up to ``steps`` steps, each revealing >= its quota."""
