@@ -254,3 +254,22 @@ def test_a_schema_the_engine_refuses_names_the_problem(tokenizer, schema, fragme
         build_constraint(json_schema(schema), tokenizer, VOCAB, [STOP])
     assert fragment in str(err.value) and err.value.param == "response_format.json_schema.schema"
 
+
+
+def test_gemma_call_markers_survive_detokenizing_and_parse(tokenizer):
+    """<|tool_call>, <tool_call|> and <|"|> are special tokens: the answer text
+    keeps them (skip_special_tokens drops the others), so an unconstrained
+    ("auto") call the model writes is found and parsed."""
+    from dlm.runtime.text import ChannelParser
+
+    text = '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:2}<tool_call|>'
+    enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    ids = (enc("ok ") + [48] + enc("call:get_weather{city:") + [52] + enc("Oslo") + [52] + enc(",days:2}") + [49]
+           + [tokenizer.convert_tokens_to_ids("<pad>")])
+    assert tokenizer.convert_ids_to_tokens([48, 49, 52]) == ["<|tool_call>", "<tool_call|>", '<|"|>']
+    kept = ChannelParser(tokenizer, skip_special_tokens=True, keep=GEMMA_SYNTAX.marker_tokens())
+    answer, _ = kept.feed(ids, final=True)
+    assert answer == "ok " + text  # markers kept, <pad> still skipped
+    content, calls = ToolCallSplitter(GEMMA_SYNTAX).feed(answer, final=True)
+    assert content == "ok " and calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments) == {"city": "Oslo", "days": 2}
