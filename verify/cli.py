@@ -49,8 +49,9 @@ def _common(f):
                      help="How many prompts get a commit stream [default: 2; 1 when layer-streamed]."),
         click.option("--stream-layers/--no-stream-layers", default=None,
                      help="Run the PyTorch reference layer by layer, each layer's weights read from disk "
-                     "for every forward pass (peak memory flat in depth) [default: when the reference "
-                     "would take over half the memory budget]."),
+                     "for every forward pass (peak memory flat in depth) [default: when a whole-model run "
+                     "would hold over half the memory budget: the reference and, for the implementation check, "
+                     "the loaded MLX model and the dequantized weights]."),
         click.option("--no-images", is_flag=True,
                      help="Skip the image rows (models with a vision tower: built-in images through the "
                      "vision tower, prompts with images, an image commit stream)."),

@@ -118,10 +118,15 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
             model = R.load_reference(path, ref_dtype)
         except FileNotFoundError as exc:
             raise WeightError(str(exc)) from None
-        except RuntimeError as exc:  # load_state_dict: missing / unexpected / mis-shaped
+        except OSError as exc:
+            raise WeightError(f"{path}: cannot read the checkpoint: {exc}") from None
+        except R.Mismatch as exc:  # missing / unexpected / mis-shaped tensors
             raise WeightError(f"{path}: the checkpoint does not match its config: {exc}") from None
+        except ValueError as exc:  # not valid safetensors
+            raise WeightError(f"{path}: cannot read the checkpoint: {exc}") from None
     else:
-        model = R.LLaDA2Reference(cfg)
+        # No weight initialisation and no float32 copy first: every tensor is written below.
+        model = R.empty_reference(cfg, ref_dtype)
         state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}
         if config.get("tie_word_embeddings") and "lm_head.weight" not in state:
             state["lm_head.weight"] = state["model.word_embeddings.weight"]
@@ -135,8 +140,8 @@ def load_reference(path, *, dtype: str = "float32", weights: dict | None = None,
         missing = sorted(set(own) - set(state))
         if missing:
             raise WeightError(f"the MLX model lacks tensor {missing[0]} (and {len(missing) - 1} more)")
-        model.load_state_dict(state, strict=True)
-        model = model.to(ref_dtype).eval()
+        R.fill(model, state.items(), "the MLX model")
+        del state
         notes.append("weights: the MLX model's (dequantized)")
     return Reference(model, config, generation_config, dtype, path, notes)
 

@@ -296,24 +296,145 @@ def block_causal_mask(length: int, block_length: int, dtype=torch.float32) -> to
     return torch.zeros(length, length, dtype=dtype).masked_fill(~keep, float("-inf"))[None, None]
 
 
-def load_reference(path: str | Path, dtype=torch.float32) -> LLaDA2Reference:
-    """Load a hub-layout checkpoint directory (safetensors only)."""
-    from safetensors.torch import load_file
+def empty_reference(cfg: RefConfig, dtype=torch.float32) -> LLaDA2Reference:
+    """The reference with uninitialised storage in ``dtype`` (every floating
+    parameter and buffer, as ``.to(dtype)`` leaves them): built on the meta
+    device, so no weight initialisation runs and nothing is allocated twice.
+    Every tensor must then be written (``fill``, ``load_reference``)."""
+    with torch.device("meta"):
+        model = LLaDA2Reference(cfg)
+    return model.to(dtype).to_empty(device="cpu").eval()
 
+
+class Mismatch(ValueError):
+    """Checkpoint tensors that do not match the module the config builds."""
+
+
+def fill(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], where: str = "the weights") -> None:
+    """Copy ``(name, tensor)`` pairs into ``model``'s parameters and persistent
+    buffers one at a time, each cast to its target's dtype (``copy_``); every
+    target must be written (a tied one under any of its names). ``Mismatch``
+    on an unknown name, a wrong shape or a target left unwritten."""
+    targets = model.state_dict(keep_vars=True)
+    written: set[int] = set()
+    with torch.no_grad():
+        for name, value in tensors:
+            dst = _target(targets, name, tuple(value.shape), where)
+            dst.copy_(value)
+            written.add(id(dst))
+    _check_written(targets, written, where)
+
+
+def _target(targets: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
+    dst = targets.get(name)
+    if dst is None:
+        raise Mismatch(f"{where}: tensor {name} has no counterpart in the reference")
+    if tuple(dst.shape) != tuple(shape):
+        raise Mismatch(f"{where}: tensor {name} has shape {list(shape)}; the reference expects {list(dst.shape)}")
+    return dst
+
+
+def _check_written(targets: dict, written: set[int], where: str) -> None:
+    missing = [n for n, t in targets.items() if id(t) not in written]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise Mismatch(f"{where}: no tensor {missing[0]}{more}")
+
+
+# safetensors dtype names (the format's header) -> torch dtypes.
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+    **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+       if hasattr(torch, v)},
+}
+
+
+def safetensors_index(files: Iterable[Path]) -> dict[str, tuple]:
+    """``{name: (file, torch dtype, shape, byte offset, nbytes)}`` from the
+    headers of ``files`` (no tensor data read). ValueError on a malformed
+    header or a name in two files."""
+    index: dict[str, tuple] = {}
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError(f"{f}: not a safetensors file (header length {n})")
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError as exc:
+                raise ValueError(f"{f}: unreadable safetensors header ({exc})") from None
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            dtype = _ST_DTYPES.get(info.get("dtype"))
+            if dtype is None:
+                raise ValueError(f"{f}: tensor {name} has dtype {info.get('dtype')!r}, which the reference "
+                                 "cannot read")
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if end - start != nbytes or start < 0 or 8 + n + end > size:
+                raise ValueError(f"{f}: tensor {name} has data offsets {[start, end]} that do not fit its "
+                                 f"shape {list(shape)} ({info['dtype']}) and the file")
+            if name in index:
+                raise ValueError(f"tensor {name} is in both {index[name][0].name} and {f.name}")
+            index[name] = (f, dtype, shape, 8 + n + start, nbytes)
+    return index
+
+
+def _read_into(fh, offset: int, dst: torch.Tensor) -> None:
+    """Read ``dst``'s bytes (contiguous, CPU) from ``fh`` at ``offset``."""
+    view = memoryview(dst.detach().reshape(-1).view(torch.uint8).numpy())
+    fh.seek(offset)
+    done = 0
+    while done < len(view):  # one read(2) returns at most ~2 GB on some systems
+        got = fh.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{fh.name}: truncated at byte {offset + done}")
+        done += got
+
+
+def load_reference(path: str | Path, dtype=torch.float32) -> LLaDA2Reference:
+    """Load a hub-layout checkpoint directory (safetensors only).
+
+    Flat in memory: the module is built without initialising weights
+    (``empty_reference``) and each tensor is read from its file (plain reads,
+    no mapping, so no file pages stay resident) straight into its parameter,
+    or into one temporary tensor cast from when the dtypes differ: the peak is
+    the reference in ``dtype`` plus the largest tensor. The values are those
+    of a ``load_state_dict`` of the whole file into a float32 model followed
+    by ``.to(dtype)``, bit for bit. A tied head (``tie_word_embeddings``
+    without ``lm_head.weight``) is the embedding's parameter. ``Mismatch``
+    where the checkpoint does not match its config, ValueError where a file is
+    not valid safetensors."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
-    model = LLaDA2Reference(RefConfig.from_dict(cfg))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
-    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.word_embeddings.weight"]
-    model.load_state_dict(state, strict=True)
-    return model.to(dtype).eval()
+    index = {k: v for k, v in safetensors_index(files).items() if "rotary_emb" not in k}
+    model = empty_reference(RefConfig.from_dict(cfg), dtype)
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in index:
+        model.lm_head.weight = model.model.word_embeddings.weight
+    targets = model.state_dict(keep_vars=True)
+    by_file: dict[Path, list] = {}
+    for name, (f, src_dtype, shape, offset, _) in index.items():
+        by_file.setdefault(f, []).append((offset, name, src_dtype, _target(targets, name, shape, str(f))))
+    _check_written(targets, {id(e[3]) for entries in by_file.values() for e in entries}, str(path))
+    with torch.no_grad():
+        for f, entries in by_file.items():
+            with open(f, "rb", buffering=0) as fh:
+                for offset, _, src_dtype, dst in sorted(entries, key=lambda e: (e[0], e[1])):  # file order
+                    if dst.dtype == src_dtype and dst.is_contiguous():
+                        _read_into(fh, offset, dst)
+                    else:
+                        tmp = torch.empty(dst.shape, dtype=src_dtype)
+                        _read_into(fh, offset, tmp)
+                        dst.copy_(tmp)
+                        del tmp
+    return model
 
 
 # ---------------------------------------------------------------------------
