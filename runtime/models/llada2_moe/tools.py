@@ -1,6 +1,8 @@
-"""LLaDA-2's tool-call syntax: the JSON-in-tags form of the Ling 2.0 chat
-templates LLaDA2.x ships, ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>``
-(whitespace around the JSON allowed)."""
+"""LLaDA-2's tool-call syntax: the JSON-in-tags form,
+``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`` (whitespace around
+the JSON allowed), the convention of Hermes/Qwen-style templates. The released
+LLaDA2.x ``chat_template.jinja`` was not available to check offline; a
+checkpoint whose template writes calls differently needs this declaration changed."""
 
 from ...structured.tools import JSON_TAGS, ToolSyntax
 
