@@ -6,7 +6,9 @@ runs up to ``max_batch`` requests at once through a dlm.runtime.batch.Batcher:
 every step advances each running request by one denoising step in shared
 forwards, and each committed canvas/block is posted to its own request as
 soon as it commits. Queued requests join the running ones between steps (at
-their own first canvas/block), within ``max_batch`` and the memory budget;
+their own first canvas/block), within ``max_batch`` and the memory budget
+(a request that finds the batch with room takes its slot at submit, even
+mid-step, so it never holds a queue slot while the batch has room);
 a request that ends (budget, stop token, cancel, client gone) leaves at once
 and the others go on. Every request gets exactly what it would get alone.
 
@@ -30,7 +32,10 @@ class BatchWorker(GenerationWorker):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.loaded, self.max_batch, self.memory_budget = loaded, max_batch, memory_budget
-        self._active: list[Job] = []  # handed to the batcher (running, or waiting there for memory)
+        # In the batch (it holds a slot of max_batch): handed to the batcher (running,
+        # or waiting there for memory), or taken and handed over at the thread's next turn.
+        self._active: list[Job] = []
+        self._joining: list[Job] = []  # in _active, not handed to the batcher yet
         self._batcher: Optional[Batcher] = None
         super().__init__(queue_size, after_job, name)  # starts the thread
 
@@ -39,28 +44,49 @@ class BatchWorker(GenerationWorker):
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
+            self._stopping = True  # no job takes a slot after these are cancelled
             for job in self._active:
                 job.cancel()
         super().stop(timeout)
 
+    def _take(self, job: Job) -> bool:
+        """A request takes its batch slot at submit when the batch has room and
+        nothing waits ahead of it, even while a step runs (it joins the batcher
+        at the thread's next turn): only requests without a slot hold queue
+        slots. A plain job is taken when the worker is idle."""
+        if self._pending:
+            return False
+        if job.request is None:
+            return super()._take(job)  # idle: nothing current, so no batch either
+        if len(self._active) >= self.max_batch or (self._current is not None and not self._active):
+            return False  # the batch is full, or a plain job runs alone
+        self._active.append(job)
+        self._joining.append(job)
+        self._current = self._active[0]
+        return True
+
     # -- the thread ------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            alone, joining = None, []
+            alone = None
             with self._cond:
-                while not self._pending and not self._active and not self._stopping:
+                while self._current is None and not self._pending and not self._stopping:
                     self._cond.wait()
-                if self._stopping and not self._active:
+                if self._current is None and not self._pending:  # stopping, nothing left
                     return
-                if self._pending and self._pending[0].request is None:
+                if self._current is not None and not self._active:  # a plain job taken at submit
+                    alone = self._current
+                elif self._pending and self._pending[0].request is None:
                     if not self._active:  # a plain job runs alone, after the batch in progress
                         alone = self._current = self._pending.popleft()
                 else:
                     while self._pending and self._pending[0].request is not None \
-                            and len(self._active) + len(joining) < self.max_batch:
-                        joining.append(self._pending.popleft())
-                    self._active.extend(joining)
+                            and len(self._active) < self.max_batch:
+                        job = self._pending.popleft()
+                        self._active.append(job)
+                        self._joining.append(job)
                     self._current = self._active[0] if self._active else None
+                joining, self._joining = self._joining, []
             if alone is not None:
                 self._alone(alone)
                 continue

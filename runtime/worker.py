@@ -4,7 +4,9 @@ batch_worker.py batches requests on the same queue).
 One dedicated thread runs every generation, one request at a time, so MLX work
 never interleaves (and a request's ``seed`` may safely reseed the global MLX RNG).
 Requests wait in a bounded queue; a full queue is refused at once (the server
-answers 429) instead of letting callers hang.
+answers 429) instead of letting callers hang. Only a job that really waits
+holds a queue slot: one submitted while the thread is free for it is taken at
+once (``_take``), before the thread wakes.
 
 Cancellation is cooperative: each job hands the generation loop a ``cancel``
 callable that the loop polls once per denoising step, so a client that goes away
@@ -124,11 +126,12 @@ class GenerationWorker:
         with self._cond:
             if self._stopping:
                 raise WorkerStopped("the server is shutting down")
-            if len(self._pending) >= self.queue_size:
-                raise QueueFull(
-                    f"the generation queue is full ({self.queue_size} requests waiting); retry later"
-                )
-            self._pending.append(job)
+            if not self._take(job):
+                if len(self._pending) >= self.queue_size:
+                    raise QueueFull(
+                        f"the generation queue is full ({self.queue_size} requests waiting); retry later"
+                    )
+                self._pending.append(job)
             self._cond.notify_all()
         return job
 
@@ -184,15 +187,27 @@ class GenerationWorker:
             job.post("end")
         self._thread.join(timeout)
 
+    def _take(self, job: Job) -> bool:
+        """Called by ``submit`` under the lock: make ``job`` current at once when
+        the thread is free for it (True), so a job that starts at the thread's
+        next turn never takes a queue slot (else a burst at an idle worker
+        could be refused while nothing waits); False: it queues."""
+        if self._current is not None or self._pending:
+            return False
+        self._current = job
+        return True
+
     # -- the thread --------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._stopping:
+                while self._current is None and not self._pending and not self._stopping:
                     self._cond.wait()
-                if not self._pending:  # stopping, nothing left
-                    return
-                job = self._current = self._pending.popleft()
+                if self._current is None:  # not taken at submit: the queue's first
+                    if not self._pending:  # stopping, nothing left
+                        return
+                    self._current = self._pending.popleft()
+                job = self._current
             try:
                 self._run(job)
             finally:

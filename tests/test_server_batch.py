@@ -5,6 +5,7 @@ hangs up leaves the others untouched; a full queue still answers 429."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -117,7 +118,7 @@ def test_hanging_up_one_stream_leaves_the_others_alone(dg, serving, running):
     worker = app.state.worker
     jobs, submit = [], worker.submit
     worker.submit = lambda *args, **kwargs: jobs.append(submit(*args, **kwargs)) or jobs[-1]
-    together = threading.Event()  # the three requests run in one batch
+    together = threading.Event()  # the three requests ran a step together
     with serving(app) as base:
 
         def hang_up():
@@ -131,7 +132,7 @@ def test_hanging_up_one_stream_leaves_the_others_alone(dg, serving, running):
 
         def watch():
             while not together.is_set() and thread.is_alive():
-                if worker.status()["running"] == 3:
+                if 3 in running:  # a step they ran together, not just their batch slots taken
                     together.set()
                 time.sleep(0.001)
 
@@ -155,17 +156,18 @@ def test_hanging_up_one_stream_leaves_the_others_alone(dg, serving, running):
     assert all(j.last_item.finish_reason in ("stop", "length") for j in jobs if j is not job)
 
 
-def test_a_full_queue_still_answers_429(dg, serving, monkeypatch):
-    """Two requests running (a batch of --max-batch 2, held once both run) and one
-    queued fill a queue of 1: the next request gets 429 at once; released, the
-    three are served with their solo answers."""
+def test_a_full_queue_still_answers_429(dg, serving, running, monkeypatch):
+    """The worker held in its first step (one request running, --max-batch 2): a
+    second request takes the free batch slot at once, mid-step, and is not
+    queued; a third fills the queue of 1; a fourth gets 429 at once. Released,
+    the three are served with their solo answers, two of them together."""
     from dlm.runtime.batch_worker import BatchWorker
 
-    gate, real = threading.Event(), BatchWorker._step
+    stepping, gate, real = threading.Event(), threading.Event(), BatchWorker._step
 
     def held(self):
-        if len(self._active) == 2:
-            gate.wait(60)
+        stepping.set()
+        gate.wait(60)
         return real(self)
 
     monkeypatch.setattr(BatchWorker, "_step", held)
@@ -177,21 +179,34 @@ def test_a_full_queue_still_answers_429(dg, serving, monkeypatch):
     with serving(app) as base, ThreadPoolExecutor(3) as pool:
         deadline = time.monotonic() + 30
 
-        def wait(predicate):
-            while not predicate():
-                assert time.monotonic() < deadline, worker.status()
+        def settled(total):
+            """The worker's status once ``total`` requests were submitted to it
+            (each submit counts a request as running or queued, atomically)."""
+            while (s := worker.status())["running"] + s["queued"] < total:
+                assert time.monotonic() < deadline, s
+                assert not any(a.done() for a in answers), [a.exception() for a in answers if a.done()]
                 time.sleep(0.002)
+            return s
 
-        answers = [pool.submit(ask, base, requests[0]), pool.submit(ask, base, requests[1])]
-        wait(lambda: worker.status()["running"] == 2 and worker.queued == 0)
-        answers.append(pool.submit(ask, base, requests[2]))
-        wait(lambda: worker.queued == 1)
-        t0 = time.perf_counter()
-        r = httpx.post(base + "/v1/chat/completions", json=requests[0], timeout=60)
-        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-        assert time.perf_counter() - t0 < 5
-        gate.set()
+        try:
+            answers = [pool.submit(ask, base, requests[0])]
+            assert stepping.wait(30)  # the first request is in the batch, its step held
+            assert settled(1)["running"] == 1
+            answers.append(pool.submit(ask, base, requests[1]))
+            s = settled(2)
+            assert (s["running"], s["queued"]) == (2, 0), s  # a free slot is taken, not queued
+            answers.append(pool.submit(ask, base, requests[2]))
+            s = settled(3)
+            assert (s["running"], s["queued"]) == (2, 1), s
+            t0 = time.perf_counter()
+            r = httpx.post(base + "/v1/chat/completions", json=requests[0], timeout=60)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+            assert time.perf_counter() - t0 < 5
+            assert worker.status()["queued"] == 1
+        finally:
+            gate.set()
         assert [a.result() for a in answers] == want
+    assert max(running) == 2
 
 
 def test_llada2_concurrent_requests_get_their_solo_answers(tiny_llada2_mlx_dir, serving, running):
@@ -211,3 +226,42 @@ def test_llada2_concurrent_requests_get_their_solo_answers(tiny_llada2_mlx_dir, 
         got = list(pool.map(lambda r: ask(base, r), requests))
     assert got == want
     assert max(running) >= 2
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_burst_at_an_idle_worker_is_not_refused(dg, monkeypatch, batching):
+    """Jobs that start at the worker thread's next turn take no queue slot, however
+    late the thread wakes: with a queue of 1, an idle serial worker takes one job
+    and queues one; an idle batching worker (--max-batch 2) takes two requests
+    and queues one (and a plain job, when idle, runs at once). The next is refused."""
+    from dlm.runtime.batch_worker import BatchWorker
+    from dlm.runtime.worker import GenerationWorker, QueueFull
+
+    cls = BatchWorker if batching else GenerationWorker
+    awake, release, real = threading.Event(), threading.Event(), cls._loop
+    monkeypatch.setattr(cls, "_loop", lambda self: (awake.wait(60), real(self)))  # the thread wakes late
+    loop = asyncio.new_event_loop()
+    worker = BatchWorker(dg, max_batch=2, queue_size=1) if batching else GenerationWorker(queue_size=1)
+    try:
+        ids = api.encode_prompt(dg, messages=[{"role": "user", "content": "Hi"}])
+        request = (ids, {**DEFAULTS, "seed": 1}) if batching else None
+        taken = 2 if batching else 1
+        jobs = [worker.submit(lambda cancel: iter([1]), loop, request) for _ in range(taken + 1)]
+        assert worker.current is jobs[0] and worker.queued == 1  # before the thread ran at all
+        assert worker.status().get("running", 1) == taken
+        with pytest.raises(QueueFull):
+            worker.submit(lambda cancel: iter([1]), loop, request)
+        awake.set()
+        assert worker.wait_idle(60) and worker.served == taken + 1
+        assert all(j.done and j.last_item is not None for j in jobs)
+        if batching:  # a plain job at an idle batching worker is taken too
+            plain = [worker.submit(lambda cancel: (release.wait(60), iter([1]))[1], loop),
+                     worker.submit(lambda cancel: iter([1]), loop)]
+            assert worker.current is plain[0] and worker.queued == 1
+            release.set()
+            assert worker.wait_idle(60) and [j.last_item for j in plain] == [1, 1]
+    finally:
+        awake.set()
+        release.set()
+        worker.stop()
+        loop.close()
