@@ -250,8 +250,8 @@ def stream_generate(
     the answer always parses and validates, or ends with finish_reason
     "length"; ``logprobs`` (structured runs): events carry each token's
     log-probability and that many most likely allowed alternatives.
-    ``tools``: a ToolRequest (dlm.runtime.structured.tools.parse_tools; render it
-    with ``encode_inputs(..., tools=)``): calls the model writes come out of the
+    ``tools``: a ToolRequest (dlm.runtime.structured.tools.parse_tools) or OpenAI
+    tool dicts (tool_choice "auto"); render them with ``encode_inputs(..., tools=)``: calls the model writes come out of the
     text as ``event.tool_calls`` (finish_reason "tool_calls"); a forced
     tool_choice constrains the output to calls whose arguments validate.
     Events: one per committed canvas/block in sequence order, then a final one
@@ -268,6 +268,10 @@ def stream_generate(
     ids, images = split_prompt(prompt)
     if images:
         hooks["images"] = images
+    if tools is not None and not hasattr(tools, "forced"):  # OpenAI tool dicts: tool_choice "auto"
+        from .structured.tools import parse_tools
+
+        tools = parse_tools(list(tools))
     forced = tool_format(loaded, tools)
     if forced is not None:
         if response_format is not None:
