@@ -11,12 +11,13 @@ attends to its own cache under its own block-causal mask, at its own
 positions). The requests' per-step flags ("is the block final", the 2.1 edit
 counts) are read in one host sync per step.
 
-``Member`` runs BlockSession.next_block / _denoise / _edit as a generator that
-yields where alone it would call the model (``Forward``) or read a flag on the
-host (``Sync``); the batch answers every member's Forward with one forward and
-every member's Sync with one evaluation. The generator mirrors those methods
-line for line (the batch-vs-solo identity tests, tests/llada2_moe/test_batch.py,
-hold them together) and uses the session's own helpers (sampling, reveal, trace).
+``Member`` is the one implementation of a block (2.0 denoising, 2.1 editing):
+a generator that yields where it needs the model (``Forward``) or a flag on the
+host (``Sync``). Alone, BlockSession.next_block runs it with ``run_alone``
+(each Forward is the solo model call, each Sync one read); in a batch, the
+batch answers every member's Forward with one forward and every member's Sync
+with one evaluation. It uses the session's own helpers (sampling, reveal,
+trace); a structured block (structured.py) runs as a plain call inside it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ...generate import Block
 from ..rows import as_linear, linear
 from .model import block_causal_mask
 from .sampling import reveal, sample
+from .structured import denoise_structured
+from .trace import BlockTracer
 
 
 @dataclass
@@ -71,21 +74,30 @@ class Member:
             self.busy, self.request, self._gen = False, None, None
             self.finished = end.value
 
-    # -- BlockSession.next_block, _denoise, _edit and _step, as a generator -----
+    # -- one block, as a generator ----------------------------------------------
 
     def _block(self):
         s = self.session
         b, bl = s.next_index, s.bl
         s.next_index += 1
         start = b * bl
-        gen_from = max(s.P - start, 0)
-        need = min(s.limit - start, bl)
+        gen_from = max(s.P - start, 0)  # first generated position in the block
+        need = min(s.limit - start, bl)  # positions that reach the output
         block = mx.array(s.x[start : start + bl])
-        if s.editing is None:
+        s.tracer = None if s.s.step_trace is None else BlockTracer(s, b, start, gen_from, need)
+        # The hub denoises the whole block, including positions past the
+        # budget (they influence the rest); only the stop test uses ``need``.
+        frontier = s.frontier
+        scored = len(frontier.records) if frontier is not None else 0
+        if frontier is not None:  # structured output: runs alone, never batched
+            block, steps, cancelled = denoise_structured(s, b, start, block, gen_from, need)
+        elif s.editing is None:
             in_gen = mx.arange(bl) >= gen_from
             block, steps, cancelled = yield from self._denoise(b, start, block, in_gen, need)
         else:
             block, steps, cancelled = yield from self._edit(b, start, block, gen_from)
+        if s.tracer is not None:
+            s.tracer.finish(block, steps, cancelled)
         if cancelled:
             return Block(steps=steps, cancelled=True)
         out = np.array(block)
@@ -94,7 +106,8 @@ class Member:
             s.pending = block
         else:
             s.committed = mx.array(s.x[: start + bl])
-        return Block(out[gen_from:need].tolist(), steps, steps < s.steps)
+        logprobs = frontier.records[scored:] if frontier is not None and frontier.logprobs is not None else None
+        return Block(out[gen_from:need].tolist(), steps, steps < s.steps, logprobs=logprobs)
 
     def _step(self, b: int, step: int, start: int, block):
         s = self.session
@@ -107,6 +120,7 @@ class Member:
         return sample(logits, s.s, u)
 
     def _denoise(self, b: int, start: int, block, in_gen, need: int):
+        """LLaDA2.0: up to ``steps`` steps, each revealing >= its quota."""
         s = self.session
         mask_id = s.s.mask_token_id
         pos = mx.arange(s.bl)
@@ -117,7 +131,8 @@ class Member:
             tok, conf = yield from self._step(b, step, start, block)
             write = reveal(active, conf, s.s.step_threshold(step, s.steps), s.quota[step])
             block = mx.where(write, tok.astype(block.dtype), block)
-            s._trace(b, step, start, write, tok, block)
+            s._trace(b, step, start, write, tok, block, conf)
+            # Final once no mask is left before the output budget or before a stop token.
             masked = (block == mask_id) & in_gen
             first_mask = mx.min(mx.where(masked, pos, s.bl))
             done = first_mask >= need
@@ -131,6 +146,10 @@ class Member:
         return block, s.steps, False
 
     def _edit(self, b: int, start: int, block, gen_from: int):
+        """LLaDA2.1 draft-and-edit (§6.3): mask-to-token reveals as in 2.0 (quota
+        fallback), plus token-to-token edits of generated positions whose new
+        token has confidence > editing_threshold; after the last mask, editing
+        passes until nothing changes (at most max_post_steps)."""
         s = self.session
         mask_id, post, step = s.s.mask_token_id, 0, 0
         editable = mx.arange(s.bl) >= gen_from
@@ -154,14 +173,14 @@ class Member:
             edit = editable & ~active & (tok != block) & (conf > s.editing)
             write = write | edit
             block = mx.where(write, tok, block)
-            s._trace(b, step, start, write, tok, block)
+            s._trace(b, step, start, write, tok, block, conf, edit)
             counts = yield Sync(mx.stack([((block == mask_id) & editable).sum(), edit.sum()]))
             step += 1
             was_active, n_active = n_active, int(counts[0])
             if was_active == 0 and counts[1] == 0:
                 return block, step, False
 
-    # -- BlockSession._forward, split around the shared forward -------------------
+    # -- the model call, split around the (shared) forward -------------------------
 
     def _window(self, start: int, block) -> Forward:
         s = self.session
@@ -180,6 +199,22 @@ class Member:
                 c.commit(s.bl)
             s.pending = None
             s._remember()
+
+
+def run_alone(member: Member, remaining: int) -> Block:
+    """A member's block without a batch: every Forward is the solo model call
+    (the batch's "alone" case), every Sync one host read."""
+    s = member.session
+    member.begin(remaining)
+    while member.busy:
+        request = member.request
+        if isinstance(request, Forward):
+            logits = s.model(request.ids[None], s.cache, request.mask, last=s.bl)
+            member.forwarded()
+            member.resume(logits[0])
+        else:
+            member.resume(request.value.tolist())
+    return member.finished
 
 
 class Batch:

@@ -59,8 +59,7 @@ from .options import (
     STEPS,
     THRESHOLD,
 )
-from .sampling import UniformStream, reveal, sample, transfer_quota
-from .structured import denoise_structured
+from .sampling import UniformStream, transfer_quota
 from .trace import BlockTracer
 
 PREFILL_STEP = 2048
@@ -336,16 +335,6 @@ class BlockSession:
         if self.prefix is not None and self.cache is not None:
             self.prefix.cache, self.prefix.ids = self.cache, self.x[: self.cache[0].offset].tolist()
 
-    def _step(self, b: int, s: int, start: int, block):
-        """One forward + sample. Returns (tokens, confidences)."""
-        logits = self._forward(start, block)
-        if self.s.on_step is not None:
-            self.s.on_step(b, s, logits)
-        if self.logit_bias is not None:
-            logits = logits + self.logit_bias
-        u = self.uniforms(self.bl) if self.needs_uniforms else None
-        return sample(logits, self.s, u)
-
     def _trace(self, b: int, s: int, start: int, write, tok, block, conf=None, edit=None) -> None:
         if self.tracer is not None:
             self.tracer.step(s, write, tok, conf, block, edit)
@@ -371,96 +360,10 @@ class BlockSession:
         self._remember()
 
     def next_block(self, remaining: int) -> Block:
-        b, bl = self.next_index, self.bl
-        self.next_index += 1
-        start = b * bl
-        gen_from = max(self.P - start, 0)  # first generated position in the block
-        need = min(self.limit - start, bl)  # positions that reach the output
-        block = mx.array(self.x[start : start + bl])
-        self.tracer = None if self.s.step_trace is None else BlockTracer(self, b, start, gen_from, need)
-        # The hub denoises the whole block, including positions past the
-        # budget (they influence the rest); only the stop test uses ``need``.
-        scored = len(self.frontier.records) if self.frontier is not None else 0
-        if self.frontier is not None:
-            block, steps, cancelled = denoise_structured(self, b, start, block, gen_from, need)
-        elif self.editing is None:
-            in_gen = mx.arange(bl) >= gen_from
-            block, steps, cancelled = self._denoise(b, start, block, in_gen, need)
-        else:
-            block, steps, cancelled = self._edit(b, start, block, gen_from)
-        if self.tracer is not None:
-            self.tracer.finish(block, steps, cancelled)
-        if cancelled:
-            return Block(steps=steps, cancelled=True)
-        out = np.array(block)
-        self.x[start : start + bl] = out
-        if self.cache is not None:
-            self.pending = block
-        else:
-            self.committed = mx.array(self.x[: start + bl])
-        logprobs = None
-        if self.frontier is not None and self.frontier.logprobs is not None:
-            logprobs = self.frontier.records[scored:]
-        return Block(out[gen_from:need].tolist(), steps, steps < self.steps, logprobs=logprobs)
+        """One block, run alone (batch.Member: the same code batches run)."""
+        from .batch import Member, run_alone
 
-    def _denoise(self, b: int, start: int, block, in_gen, need: int):
-        """LLaDA2.0: up to ``steps`` steps, each revealing >= its quota."""
-        mask_id = self.s.mask_token_id
-        pos = mx.arange(self.bl)
-        for s in range(self.steps):
-            if self.cancel is not None and self.cancel():
-                return block, s, True
-            active = (block == mask_id) & in_gen
-            tok, conf = self._step(b, s, start, block)
-            write = reveal(active, conf, self.s.step_threshold(s, self.steps), self.quota[s])
-            block = mx.where(write, tok.astype(block.dtype), block)
-            self._trace(b, s, start, write, tok, block, conf)
-            # Final once no mask is left before the output budget or before a stop token.
-            masked = (block == mask_id) & in_gen
-            first_mask = mx.min(mx.where(masked, pos, self.bl))
-            done = first_mask >= need
-            if self.s.early_stop and self.stop_arr is not None:
-                is_stop = (block[:, None] == self.stop_arr[None]).any(-1) & in_gen
-                done = done | (mx.min(mx.where(is_stop, pos, self.bl)) < first_mask)
-            elif not self.s.early_stop:
-                done = ~masked.any()
-            if done.item():
-                return block, s + 1, False
-        return block, self.steps, False
-
-    def _edit(self, b: int, start: int, block, gen_from: int):
-        """LLaDA2.1 draft-and-edit (§6.3): mask-to-token reveals as in 2.0 (quota
-        fallback), plus token-to-token edits of generated positions whose new
-        token has confidence > editing_threshold; after the last mask, editing
-        passes until nothing changes (at most max_post_steps)."""
-        mask_id, post, s = self.s.mask_token_id, 0, 0
-        editable = mx.arange(self.bl) >= gen_from
-        n_active = int(((block == mask_id) & editable).sum().item())
-        while True:
-            if n_active == 0:
-                post += 1
-            if post > self.s.max_post_steps:
-                return block, s, False
-            if self.cancel is not None and self.cancel():
-                return block, s, True
-            active = (block == mask_id) & editable
-            tok, conf = self._step(b, s, start, block)
-            tok = tok.astype(block.dtype)
-            if n_active:
-                q = max(self.quota[s] if s < len(self.quota) else 1, 1)
-                thr = self.s.step_threshold(min(s, self.steps - 1), self.steps)
-                write = reveal(active, conf, thr, q)
-            else:
-                write = mx.zeros_like(active)
-            edit = editable & ~active & (tok != block) & (conf > self.editing)
-            write = write | edit
-            block = mx.where(write, tok, block)
-            self._trace(b, s, start, write, tok, block, conf, edit)
-            counts = mx.stack([((block == mask_id) & editable).sum(), edit.sum()]).tolist()
-            s += 1
-            was_active, n_active = n_active, int(counts[0])
-            if was_active == 0 and counts[1] == 0:
-                return block, s, False
+        return run_alone(Member(self), remaining)
 
 
 Session = BlockSession
