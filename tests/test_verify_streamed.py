@@ -215,22 +215,54 @@ def test_whole_parts_of_the_same_weights_reference(tiny_llada2_mlx_dir, tiny_dg_
 
 def test_auto_mode_streams_the_same_weights_reference_when_all_of_it_does_not_fit(tiny_llada2_mlx_dir,
                                                                                  monkeypatch):
-    """The reference alone fits the auto share of the budget, but with the MLX
-    model and the dequantized weights beside it (3x the reference) it does not:
-    the original reference runs whole, the same-weights one is streamed."""
+    """The reference alone fits the auto share of the budget, but with the
+    dequantized weights beside it (2x the reference) it does not: the original
+    reference runs whole, the same-weights one is streamed."""
     from dlm.runtime.memory import budget_bytes
     from dlm.verify import streaming as S
 
     hf = tiny_llada2_mlx_dir.parent / "hf"
     ref = S.reference_bytes(S.CheckpointSource(hf), "float32")
-    monkeypatch.setattr(S, "AUTO_FRACTION", 2 * ref / budget_bytes())
+    monkeypatch.setattr(S, "AUTO_FRACTION", 1.5 * ref / budget_bytes())
     report = run_parity(tiny_llada2_mlx_dir, verify_options(reference=str(hf), long_prompt=False,
                                                             stream_prompts=0))
     modes = report.streaming
     assert modes["reference"] == "whole" and modes["implementation"] == "streamed", modes
     why = modes["implementation_reason"]
     assert why.startswith("a whole-model run holds") and "over" in why
-    assert "the MLX model" in why and "its dequantized float32 weights" in why, why
+    assert "its dequantized float32 weights" in why, why
+    assert "the MLX model" not in why  # released before the same-weights reference loads
+
+
+def test_the_mlx_model_is_released_before_the_same_weights_reference(tiny_llada2_mlx_dir, monkeypatch):
+    """Phases do not overlap: when the same-weights reference loads, the MLX
+    model's weights are gone (at the released scale both do not fit)."""
+    import gc
+    import weakref
+
+    from dlm.runtime import loader
+    from dlm.verify import suite
+
+    models, alive_at_matched = [], []
+    real_load, real_matched = loader.load, suite._matched_run
+
+    def load(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        models.append(weakref.ref(loaded.model))
+        return loaded
+
+    def matched(*args, **kwargs):
+        gc.collect()
+        alive_at_matched.append(models[-1]() is not None)
+        return real_matched(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "load", load)
+    monkeypatch.setattr(suite, "_matched_run", matched)
+    hf = tiny_llada2_mlx_dir.parent / "hf"
+    report = run_parity(tiny_llada2_mlx_dir, verify_options(reference=str(hf), long_prompt=False,
+                                                            stream_prompts=0))
+    assert alive_at_matched == [False]
+    assert {c.name: c.status for c in report.checks}["implementation"] == "pass"
 
 
 def _perturb(src: Path, dst: Path, name: str) -> Path:

@@ -51,7 +51,7 @@ def _common(f):
                      help="Run the PyTorch reference layer by layer, each layer's weights read from disk "
                      "for every forward pass (peak memory flat in depth) [default: when a whole-model run "
                      "would hold over half the memory budget: the reference and, for the implementation check, "
-                     "the loaded MLX model and the dequantized weights]."),
+                     "the dequantized weights it is loaded from]."),
         click.option("--no-images", is_flag=True,
                      help="Skip the image rows (models with a vision tower: built-in images through the "
                      "vision tower, prompts with images, an image commit stream)."),

@@ -10,9 +10,10 @@ rows (models with a vision tower) are ``dlm.verify.image_suite``'s.
 Each reference runs whole in memory or layer by layer (``dlm.verify.streaming``:
 ``--stream-layers``, by default when a whole-model run would take over half
 the memory budget: the reference and, for the same-weights reference, the
-loaded MLX model and the dequantized weights beside it,
-``streaming.whole_parts``); a streamed run gets a smaller default
-commit-stream budget. The same-weights reference dequantizes the MLX weights
+dequantized weights beside it, ``streaming.whole_parts``); a streamed run gets
+a smaller default commit-stream budget. Phases do not overlap: the original
+reference runs before the MLX model loads, and the MLX model is released
+(``_release``) before the same-weights reference loads. The same-weights reference dequantizes the MLX weights
 as the loaded model holds them (float32 scales where the runtime upcast). The first
 logits case (and the first image case) also yields per-layer hidden states of
 both frameworks (``dlm.verify.layers``), and every reference records per-phase
@@ -242,13 +243,27 @@ def _bundle_layer_cases(adapter, bundle: B.Bundle, images) -> list[str]:
 
 def _mlx_bytes(loaded) -> int:
     """Bytes of the loaded MLX model's parameters, as the runtime holds them
-    (float32 where it upcast or dequantized at load)."""
+    (float32 where it upcast or dequantized at load); 0 once released."""
     from mlx.utils import tree_flatten
 
+    if loaded is None or loaded.model is None:
+        return 0
     seen: dict[int, int] = {}
     for _, p in tree_flatten(loaded.model.parameters()):
         seen[id(p)] = int(p.nbytes)
     return sum(seen.values())
+
+
+def _release(loaded) -> None:
+    """Drop the MLX model's weights (its outputs are already taken): at the
+    released scale the MLX model and a reference do not fit side by side."""
+    import gc
+
+    import mlx.core as mx
+
+    loaded.model = None
+    gc.collect()
+    mx.clear_cache()
 
 
 def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Options,
@@ -258,8 +273,9 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
 
     ``loaded``: the MLX model of this comparison (``LoadedModel``), if loaded:
     its weights are dequantized as it holds them (float32 scales where the
-    runtime upcast them), and it counts towards the memory of a whole-model
-    run. Without it (``record --mlx``), in the stored precision."""
+    runtime upcast them), and, while its model is still held, it counts
+    towards the memory of a whole-model run (``run_parity`` releases it
+    first). Without it (``record --mlx``), in the stored precision."""
     config = read_json(mlx_dir / "config.json", "config")
     dtype = "float32"
     t = time.perf_counter()
@@ -413,6 +429,7 @@ def run_parity(mlx_dir, options: Options) -> Report:
                                logits=lambda case: _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases))
         mlx_t["images"] = time.perf_counter() - t
     timings["mlx"] = _rounded(mlx_t)
+    _release(loaded)  # everything below needs only its outputs (and loaded.upcast)
 
     t = time.perf_counter()
     matched, matched_note = None, ""
