@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...quantize.modes import mode_defaults
+from .cpu_streams import parallel, split_rows
 
 
 class SwitchLinear(nn.Module):
@@ -59,11 +60,16 @@ class QuantizedSwitchLinear(nn.Module):
         return cls(w, scales, biases[0] if biases else None, group_size, bits, mode)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(
-            x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-            transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-            sorted_indices=sorted_indices,
-        )
+        def qmm(xs, ids):
+            return mx.gather_qmm(
+                xs, self["weight"], self["scales"], self.get("biases"), rhs_indices=ids,
+                transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                sorted_indices=sorted_indices,
+            )
+
+        if parallel():  # CPU: rows over one stream per core (cpu_streams.py); callers run this eagerly
+            return split_rows(qmm, x, indices)
+        return qmm(x, indices)
 
 
 # Grouping pays off from about this many token copies per expert (scripts/bench_experts.py
@@ -82,6 +88,15 @@ def cpu_float_experts(*layers) -> bool:
     return (mx.default_device() == mx.cpu
             and all(isinstance(layer, SwitchLinear) for layer in layers)
             and min(layer["weight"][0].size for layer in layers) >= GROUPED_MIN_WEIGHT)
+
+
+def cpu_eager_experts(*layers) -> bool:
+    """Experts that run outside mx.compile on the CPU backend: large float ones
+    (``cpu_float_experts``) and quantized ones, whose single-threaded kernel is
+    split over the CPU streams (cpu_streams.py)."""
+    if cpu_float_experts(*layers):
+        return True
+    return parallel() and all(isinstance(layer, QuantizedSwitchLinear) for layer in layers)
 
 
 def grouped(rows: int, num_experts: int, *layers) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..rows import linear, per_sequence
-from ..switch import SwitchLinear, by_expert, cpu_float_experts, grouped
+from ..switch import SwitchLinear, by_expert, cpu_eager_experts, grouped
 from .config import SLIDING, ModelArgs
 
 
@@ -272,8 +272,9 @@ class Experts(nn.Module):
 
     @property
     def eager(self) -> bool:
-        """Float experts on the CPU backend run outside mx.compile (grouped per call)."""
-        return cpu_float_experts(self.gate_up_proj, self.down_proj)
+        """CPU backend: float experts run outside mx.compile (grouped per call), and
+        quantized ones too (their kernel split over the CPU streams)."""
+        return cpu_eager_experts(self.gate_up_proj, self.down_proj)
 
     def _expert(self, e: int, rows: mx.array) -> mx.array:
         h = self.gate_up_proj.dense(e, rows)

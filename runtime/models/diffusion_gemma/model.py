@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..cpu_streams import parallel, split_positions
 from ..rows import as_linear, matmul
 from .config import SLIDING, ModelArgs
 from .layers import DecoderLayer, PrefixCache, RMSNorm, SelfConditioning
@@ -59,10 +60,11 @@ class DecoderModel(nn.Module):
         p = mx.softmax(sc_logits.astype(mx.float32), axis=-1).astype(dtype)
         e = self.embed_tokens
         if _is_quantized(e):
-            s = mx.quantized_matmul(
-                p, e["weight"], e["scales"], e.get("biases"), transpose=False,
-                group_size=e.group_size, bits=e.bits, mode=e.mode,
-            )
+            def qmm(rows):
+                return mx.quantized_matmul(rows, e["weight"], e["scales"], e.get("biases"), transpose=False,
+                                           group_size=e.group_size, bits=e.bits, mode=e.mode)
+
+            s = split_positions(qmm, p) if self.split_vocab else qmm(p)
         else:
             s = matmul(p, e["weight"])  # one GEMM per sequence of a batch
         return s.astype(dtype) * self._scale(dtype)
@@ -74,15 +76,31 @@ class DecoderModel(nn.Module):
 
     def head(self, h: mx.array) -> mx.array:
         """Tied-embedding logits in the model dtype, then float32 softcap."""
-        out = as_linear(self.embed_tokens, self.norm(h)).astype(mx.float32)
+        x = self.norm(h)
+        if self.split_vocab:
+            out = split_positions(lambda rows: self.embed_tokens.as_linear(rows), x)
+        else:
+            out = as_linear(self.embed_tokens, x)
+        out = out.astype(mx.float32)
         return mx.tanh(out / self.softcap) * self.softcap
+
+    @property
+    def split_vocab(self) -> bool:
+        """A quantized embedding on the CPU backend: the two full-vocabulary
+        matmuls (head, self-conditioning) run eagerly with their rows split over
+        the CPU streams (dlm.runtime.models.cpu_streams)."""
+        return _is_quantized(self.embed_tokens) and parallel()
 
     def compiled(self):
         if self._compiled is None:  # implicit inputs: only what these two read (not the layers)
-            state = [self.embed_tokens.state, self.norm.state, self.self_conditioning.state]
-            fns = (mx.compile(self.inputs, inputs=state), mx.compile(self.head, inputs=state))
+            if self.split_vocab:
+                fns = (self.inputs, self.head)
+            else:
+                state = [self.embed_tokens.state, self.norm.state, self.self_conditioning.state]
+                fns = (mx.compile(self.inputs, inputs=state), mx.compile(self.head, inputs=state))
             object.__setattr__(self, "_compiled", fns)
         return self._compiled
+
 
 
 class EncoderLayerScalar(nn.Module):

@@ -29,7 +29,6 @@ import mlx.core as mx
 import numpy as np
 
 from ...generate import Block
-from ..rows import as_linear, linear
 from .model import block_causal_mask
 from .sampling import reveal, sample
 from .structured import denoise_structured
@@ -278,7 +277,4 @@ def forward(model, ids: mx.array, caches: list[list], masks: list, last: int) ->
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
     for i, layer in enumerate(model.model.layers):
         h = layer(h, offsets, masks, [c[i] for c in caches])
-    h = model.model.norm(h[:, -last:])
-    if model.args.tie_word_embeddings:
-        return as_linear(model.model.word_embeddings, h).astype(mx.float32)
-    return linear(model.lm_head, h).astype(mx.float32)
+    return model.head(model.model.norm(h[:, -last:]))

@@ -11,6 +11,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cpu_streams import parallel, split_positions
 from ..rows import as_linear, linear, matmul, per_sequence
 from ..switch import SwitchLinear, by_expert, grouped
 from .config import ModelArgs
@@ -279,10 +280,19 @@ class Model(nn.Module):
                 collect.append(h)
         if last is not None:
             h = h[:, -last:]
-        h = self.model.norm(h)
-        if self.args.tie_word_embeddings:
-            return as_linear(self.model.word_embeddings, h).astype(mx.float32)
-        return linear(self.lm_head, h).astype(mx.float32)
+        return self.head(self.model.norm(h))
+
+    def head(self, h):
+        """float32 logits of normed hidden states; a quantized head on the CPU
+        backend has its rows split over the CPU streams (cpu_streams.py)."""
+        tied = self.args.tie_word_embeddings
+        module = self.model.word_embeddings if tied else self.lm_head
+
+        def project(rows):
+            return as_linear(module, rows) if tied else linear(module, rows)
+
+        out = split_positions(project, h) if "scales" in module and parallel() else project(h)
+        return out.astype(mx.float32)
 
     @staticmethod
     def sanitize(weights: dict) -> dict:

@@ -1,0 +1,85 @@
+"""Quantized kernels split by rows over the CPU streams
+(dlm.runtime.models.cpu_streams) give bit-identical results: the kernels
+alone, and whole 4-bit models of both families (experts, tied and untied
+heads, self-conditioning) with the streams on vs off."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dlm.runtime import api
+from dlm.runtime.models import cpu_streams
+from tests.builders import convert_dir
+
+
+@pytest.fixture
+def two_streams(monkeypatch):
+    """Two CPU streams and no minimum piece size, whatever this machine has."""
+    monkeypatch.setattr(cpu_streams, "_streams", [mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)])
+    monkeypatch.setattr(cpu_streams, "MIN_ROWS", 1)
+
+
+def test_split_kernels_are_bit_identical(two_streams):
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.normal(size=(8, 96, 128)).astype(np.float32))
+    q, s, b = mx.quantize(w, group_size=64, bits=4)
+    x = mx.array(rng.normal(size=(37, 1, 1, 128)).astype(np.float32))
+    idx = mx.array(rng.integers(0, 8, size=(37, 3)).astype(np.uint32))
+
+    def gq(xs, ids):
+        return mx.gather_qmm(xs, q, s, b, rhs_indices=ids, transpose=True, group_size=64, bits=4)
+
+    assert cpu_streams.parallel()
+    assert mx.array_equal(cpu_streams.split_rows(gq, x, idx), gq(x, idx))
+    qw, qs, qb = mx.quantize(w[0], group_size=64, bits=8)
+    h = mx.array(rng.normal(size=(3, 11, 128)).astype(np.float32))
+
+    def qmm(rows):
+        return mx.quantized_matmul(rows, qw, qs, qb, transpose=True, group_size=64, bits=8)
+
+    assert mx.array_equal(cpu_streams.split_positions(qmm, h), qmm(h))
+
+
+@pytest.fixture(scope="module")
+def q4_models(tiny_dg_dir, tiny_llada2_mlx_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("q4_streams")
+    return {"diffusion_gemma": convert_dir(tiny_dg_dir, root / "dg", quantize=True, q_bits=4),
+            "llada2_moe": convert_dir(tiny_llada2_mlx_dir.parent / "hf", root / "llada2", quantize=True, q_bits=4)}
+
+
+def _logits(family: str, path, streams_on: bool, monkeypatch):
+    if not streams_on:  # one stream: parallel() is off (an empty list would be refilled)
+        monkeypatch.setattr(cpu_streams, "_streams", [mx.new_stream(mx.cpu)])
+    loaded = api.load(path, compute_dtype="native")  # keep the 4-bit kernels (no dequantization at load)
+    model = loaded.model
+    ids = mx.array([[2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]], dtype=mx.int32)
+    if family == "llada2_moe":
+        return model(ids)
+    cache = model.make_cache()
+    model.prefill(ids[0].tolist(), cache, 64)
+    canvas = mx.array([[30, 31, 32, 33, 34, 35, 36, 37]], dtype=mx.int32)
+    first = model.decode(canvas, cache)
+    return mx.concatenate([first, model.decode(canvas, cache, first)], axis=1)
+
+
+@pytest.mark.parametrize("family", ["diffusion_gemma", "llada2_moe"])
+def test_a_4bit_model_is_bit_identical_with_the_streams_on_and_off(q4_models, family, two_streams, monkeypatch):
+    splits = []
+    real = cpu_streams.split_rows
+    def counted(fn, *arrays):
+        splits.append(arrays[0].shape)
+        return real(fn, *arrays)
+
+    from dlm.runtime.models import switch
+
+    monkeypatch.setattr(cpu_streams, "split_rows", counted)  # the heads (split_positions)
+    monkeypatch.setattr(switch, "split_rows", counted)  # the experts
+    on = _logits(family, q4_models[family], True, monkeypatch)
+    assert len(splits) >= 2  # the experts' and the head's kernels ran split
+    calls = len(splits)
+    with monkeypatch.context() as m:
+        off = _logits(family, q4_models[family], False, m)
+    assert len(splits) == calls  # (split_rows is only called with the streams on)
+    assert on.shape == off.shape and mx.array_equal(on, off)
