@@ -18,6 +18,14 @@ from .config import ModelArgs
 from .weights import sanitize
 
 
+def _linear(module, x):
+    """``rows.linear``; a quantized module on the CPU backend has its rows split
+    over the CPU streams (cpu_streams.py: its kernel is single-threaded)."""
+    if "scales" in module and parallel():
+        return split_positions(lambda rows: linear(module, rows), x)
+    return linear(module, x)
+
+
 class SwitchGLU(nn.Module):
     """Routed experts: ``down(silu(gate(x)) * up(x))`` for each (token, slot)."""
 
@@ -134,7 +142,7 @@ class Attention(nn.Module):
         """``cache`` may be a list, one per sequence of a batch, with ``mask`` a list
         and ``offset`` an array [B] alike: each sequence attends to its own cache."""
         B, L, _ = x.shape
-        qkv = linear(self.query_key_value, x).reshape(B, L, self.hq + 2 * self.hkv, self.d)
+        qkv = _linear(self.query_key_value, x).reshape(B, L, self.hq + 2 * self.hkv, self.d)
         q, k, v = mx.split(qkv, [self.hq, self.hq + self.hkv], axis=2)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         if self.use_qk_norm:  # before RoPE
@@ -146,7 +154,7 @@ class Attention(nn.Module):
             o = mx.concatenate([self._attend(qb, kb, vb, m, c) for qb, kb, vb, m, c in parts])
         else:
             o = self._attend(q, k, v, mask, cache)
-        return linear(self.dense, o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return _linear(self.dense, o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _attend(self, q, k, v, mask, cache: Optional[CommittedKVCache]):
         if cache is not None:
@@ -162,7 +170,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def __call__(self, x):
-        return linear(self.down_proj, nn.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        return _linear(self.down_proj, nn.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
 
 
 class Gate(nn.Module):
