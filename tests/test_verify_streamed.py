@@ -11,10 +11,7 @@ per-layer hidden-state diagnostic (dlm.verify.layers), on both families.
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,6 +26,7 @@ from dlm.verify.suite import Options, record, run_parity  # noqa: E402
 from tests.builders import (  # noqa: E402
     FAST_VERIFY, build_diffusion_gemma, build_llada2, convert_dir, verify_options, write_llada2_remote_code,
 )
+from tests.rss import run_child  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread):
@@ -304,31 +302,19 @@ def test_layer_diagnostic_names_the_perturbed_layer(tiny_dg_dir, tiny_dg_mlx_dir
     assert rows[0]["cosine_min"] >= report.layers["original"]["threshold"]["cosine_min"]
 
 
-# The bounded-memory property: one subprocess measures the peak RSS increment
-# of a reference forward (one logits case: prefill + decoder step) per
-# (weights, mode, depth). MALLOC_MMAP_THRESHOLD_ keeps large blocks mmapped, so
-# what a phase frees goes back to the OS and the next phase's peak is its own.
+# The bounded-memory property: one subprocess (tests/rss.py) measures the peak
+# RSS increment of a reference forward (one logits case: prefill + decoder
+# step) per (weights, mode, depth).
 _CHILD = r"""
-import gc, json, sys
-import torch
-torch.set_num_threads(1)
 from dlm.runtime.checkpoint import read_json
 from dlm.runtime.registry import family_for_config
 from dlm.verify import streaming as S, weights as W
 from dlm.verify.diffusion_gemma import adapter as A
 
-def rss(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-
 out = {}
 for phase in json.loads(sys.argv[1]):
     kind, mode, path = phase
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = rss("VmRSS")
+    before = reset_peak()
     weights = None
     if kind == "mlx":
         config = read_json(path + "/config.json", "config")
@@ -362,11 +348,7 @@ def test_streamed_reference_peak_memory_is_flat_in_depth(tmp_path):
     # Warm-up phases first (lazy imports and first-call allocations would count
     # against the first measured phase); their numbers are overwritten.
     phases = [("hf", "streamed", str(dirs[("hf", 2)])), ("mlx", "streamed", str(dirs[("mlx", 2)]))] + phases
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(phases)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    peak = json.loads(proc.stdout.strip().splitlines()[-1])
+    peak = run_child(_CHILD, phases, tmp_path, timeout=300)
 
     def growth(kind, mode):
         return peak[f"{kind}/{mode}/{dirs[(kind, 8)]}"] - peak[f"{kind}/{mode}/{dirs[(kind, 2)]}"]

@@ -5,8 +5,6 @@ clear errors for checkpoints that do not match their config."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ from dlm.runtime.errors import WeightError
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.llada2_moe import torch_model as R
 from tests.builders import build_llada2
+from tests.rss import run_child
 
 torch.set_num_threads(1)
 
@@ -118,25 +117,13 @@ def test_a_truncated_checkpoint(tmp_path):
 
 
 # Peak RSS increment of the whole-model load, per (checkpoint, reference
-# dtype), in one subprocess. MALLOC_MMAP_THRESHOLD_ keeps large blocks
-# mmapped, so what a phase frees goes back to the OS.
+# dtype), in one subprocess (tests/rss.py).
 _CHILD = r"""
-import gc, json, sys
-import torch
-torch.set_num_threads(1)
 from dlm.verify.llada2_moe import adapter as A
-
-def rss(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
 
 out = {}
 for path, dtype in json.loads(sys.argv[1]):
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = rss("VmRSS")
+    before = reset_peak()
     ref = A.load_reference(path, dtype=dtype)
     unique = {id(t): t for t in ref.model.state_dict(keep_vars=True).values()}.values()
     out[path + "/" + dtype] = dict(peak=rss("VmHWM") - before,
@@ -162,11 +149,7 @@ def test_whole_load_peak_memory_is_the_reference_plus_one_tensor(tmp_path):
         build_llada2(dirs[(stored, n)], "base", dtype=stored, num_hidden_layers=n, **_WIDE)
     phases = [(str(dirs[("float32", 2)]), "float32")]  # warm-up (first-call allocations), overwritten
     phases += [(str(dirs[k]), dtype) for k in dirs for dtype in ("float32", "bfloat16")]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(phases)], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=str(tmp_path), check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_child(_CHILD, phases, tmp_path, timeout=120)
     assert got[f"{dirs[('float32', 8)]}/float32"]["reference"] > 200e6  # the test can tell 1x from 2x
     for key, m in got.items():
         # Slack for the interpreter's own allocations; the old loader was over by the checkpoint's size.
