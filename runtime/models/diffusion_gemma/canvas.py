@@ -114,7 +114,8 @@ def _score(logits: mx.array, t: mx.array) -> tuple[mx.array, mx.array, mx.array]
 
 @mx.compile
 def _entropy_bound_step(entropy, sample, noise, bound):
-    return mx.where(S.entropy_bound_accept(entropy, bound), sample, noise)
+    accept = S.entropy_bound_accept(entropy, bound)
+    return mx.where(accept, sample, noise), accept
 
 
 @mx.compile
@@ -151,6 +152,7 @@ class _Step:
     revealed: mx.array
     sc_logits: mx.array
     stop: Optional[mx.array]  # None: cannot stop after this step
+    keep: mx.array  # positions the sampler kept this step (accepted / revealed)
     summary: Optional[dict] = None  # --trace only (trace.summarise_step)
 
     def outputs(self, last: bool = False) -> list[mx.array]:
@@ -174,8 +176,9 @@ def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_logits, reveale
     noise = draws.canvas(canvas.shape)  # drawn every step, as the reference does
     if config.sampler == S.CONFIDENCE_THRESHOLD:
         canvas, revealed = _confidence_step(proc, canvas, revealed, sample, noise, config.threshold)
+        keep = revealed
     else:
-        canvas = _entropy_bound_step(entropy, sample, noise, config.entropy_bound)
+        canvas, keep = _entropy_bound_step(entropy, sample, noise, config.entropy_bound)
     stop = done = None
     if config.stability_threshold is not None and config.confidence_threshold is not None:
         stop = _stable_and_confident(argmax, history, entropy, config)
@@ -183,7 +186,7 @@ def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_logits, reveale
     if config.sampler == S.CONFIDENCE_THRESHOLD:
         done = mx.all(revealed)
         stop = done if stop is None else stop | done
-    step = _Step(logits, argmax, canvas, revealed, proc.astype(config.sc_dtype), stop)
+    step = _Step(logits, argmax, canvas, revealed, proc.astype(config.sc_dtype), stop, keep)
     if summarise:
         step.summary = summarise_step(config, t, argmax, proc, entropy, canvas, revealed_in, revealed,
                                       settled, done)

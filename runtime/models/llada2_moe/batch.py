@@ -88,8 +88,8 @@ class Member:
         # budget (they influence the rest); only the stop test uses ``need``.
         frontier = s.frontier
         scored = len(frontier.records) if frontier is not None else 0
-        if frontier is not None:  # structured output: runs alone, never batched
-            block, steps, cancelled = denoise_structured(s, b, start, block, gen_from, need)
+        if frontier is not None:  # structured output (runs alone, never batched)
+            block, steps, cancelled = yield from denoise_structured(self, b, start, block, gen_from, need)
         elif s.editing is None:
             in_gen = mx.arange(bl) >= gen_from
             block, steps, cancelled = yield from self._denoise(b, start, block, in_gen, need)
@@ -109,6 +109,12 @@ class Member:
         return Block(out[gen_from:need].tolist(), steps, steps < s.steps, logprobs=logprobs)
 
     def _step(self, b: int, step: int, start: int, block):
+        """One forward + sample: (tokens, confidences)."""
+        tok, conf, _, _ = yield from self._scored(b, step, start, block)
+        return tok, conf
+
+    def _scored(self, b: int, step: int, start: int, block):
+        """One forward + sample: (tokens, confidences, the biased logits, the step's uniforms)."""
         s = self.session
         logits = yield self._window(start, block)
         if s.s.on_step is not None:
@@ -116,7 +122,8 @@ class Member:
         if s.logit_bias is not None:
             logits = logits + s.logit_bias
         u = s.uniforms(s.bl) if s.needs_uniforms else None
-        return sample(logits, s.s, u)
+        tok, conf = sample(logits, s.s, u)
+        return tok, conf, logits, u
 
     def _denoise(self, b: int, start: int, block, in_gen, need: int):
         """LLaDA2.0: up to ``steps`` steps, each revealing >= its quota."""

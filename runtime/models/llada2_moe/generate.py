@@ -299,24 +299,6 @@ class BlockSession:
             for c in self.cache:
                 c.commit(b - a)
 
-    def _forward(self, start: int, block):
-        """Raw float32 logits [bl, V] of the active block at [start, start + bl)."""
-        bl = self.bl
-        if self.cache is None:
-            ids = mx.concatenate([self.committed[:start], block])[None]
-            logits = self.model(ids, mask=block_causal_mask(0, start + bl, 0, bl), last=bl)
-        else:
-            offset = self.cache[0].offset
-            ids = block if self.pending is None else mx.concatenate([self.pending, block])
-            mask = block_causal_mask(offset, ids.shape[0], offset, bl)
-            logits = self.model(ids[None], self.cache, mask, last=bl)
-            if self.pending is not None:
-                for c in self.cache:
-                    c.commit(bl)
-                self.pending = None
-                self._remember()
-        return logits[0]
-
     def _reuse(self, upto: int) -> int:
         """Copy the kept cache's whole blocks that this prompt shares into the new
         cache (block attention makes them exact); returns where prefill starts."""

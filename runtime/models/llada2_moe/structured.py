@@ -25,8 +25,11 @@ def _pin(block: mx.array, at: int, frozen: list[int]) -> mx.array:
     return mx.concatenate([block[:at], values, block[at + len(frozen):]])
 
 
-def denoise_structured(session, b: int, start: int, block: mx.array, gen_from: int, need: int):
-    """(block, steps, cancelled) for block ``b`` at ``start``; its output positions are [gen_from, need)."""
+def denoise_structured(member, b: int, start: int, block: mx.array, gen_from: int, need: int):
+    """Block ``b`` at ``start`` as a batch.Member generator step (the same forward,
+    sampling and syncs as the unconstrained loop): returns (block, steps,
+    cancelled); its output positions are [gen_from, need)."""
+    session = member.session
     s, frontier = session.s, session.frontier
     frontier.begin(max(need - gen_from, 0))
     steps = 0
@@ -36,13 +39,7 @@ def denoise_structured(session, b: int, start: int, block: mx.array, gen_from: i
             break
         if session.cancel is not None and session.cancel():
             return block, steps, True
-        logits = session._forward(start, block)
-        if s.on_step is not None:
-            s.on_step(b, step, logits)
-        if session.logit_bias is not None:
-            logits = logits + session.logit_bias
-        u = session.uniforms(session.bl) if session.needs_uniforms else None
-        tok, conf = sample(logits, s, u)
+        tok, conf, logits, u = yield from member._scored(b, step, start, block)
         keep = conf > s.step_threshold(step, session.steps)
         mx.eval(tok, keep)
         steps += 1
