@@ -204,9 +204,9 @@ def tool_format(loaded: LoadedModel, tools):
         return None
     from .structured.formats import TOOL_CALLS, ResponseFormat
     from .structured.tools import call_grammar
-    from .text import _token_id
+    from .text import token_id
 
-    lark = call_grammar(tools, loaded.family.tool_syntax(), lambda text: _token_id(loaded.tokenizer, text))
+    lark = call_grammar(tools, loaded.family.tool_syntax(), lambda text: token_id(loaded.tokenizer, text))
     return ResponseFormat(TOOL_CALLS, {}, where="tool_choice", lark=lark)
 
 

@@ -96,16 +96,6 @@ class BatchWorker(GenerationWorker):
                 self._join(job)
             self._step()
 
-    def _alone(self, job: Job) -> None:
-        try:
-            self._run(job)
-        finally:
-            with self._cond:
-                self._current = None
-                self.served += 1
-                self.last_job = job
-                self._cond.notify_all()
-
     def _join(self, job: Job) -> None:
         """Hand a job to the batcher (a request it refuses ends with that error)."""
         job.started_at = time.perf_counter()

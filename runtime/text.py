@@ -22,7 +22,8 @@ CLOSE = "<channel|>"
 TURN = "<|turn>"
 
 
-def _token_id(tokenizer, token: str) -> Optional[int]:
+def token_id(tokenizer, token: str) -> Optional[int]:
+    """The id of ``token`` when the tokenizer has it as one token, else None."""
     try:
         tid = tokenizer.convert_tokens_to_ids(token)
     except Exception:
@@ -52,9 +53,9 @@ class ChannelParser:
                  keep: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.keep = {tid: text for text in keep if (tid := _token_id(tokenizer, text)) is not None}
-        self.open_id = _token_id(tokenizer, OPEN)
-        self.close_id = _token_id(tokenizer, CLOSE)
+        self.keep = {tid: text for text in keep if (tid := token_id(tokenizer, text)) is not None}
+        self.open_id = token_id(tokenizer, OPEN)
+        self.close_id = token_id(tokenizer, CLOSE)
         self.answer: list[int] = []
         self.segments: list[list[int]] = []  # reasoning, one list per channel
         self.in_channel = False
@@ -62,7 +63,7 @@ class ChannelParser:
         # channel's tokens already in the prompt complete its name line). Only
         # the model's own turn counts: a user message quoting the marker does not.
         prompt_ids = list(prompt_ids or [])
-        turn_id = _token_id(tokenizer, TURN)
+        turn_id = token_id(tokenizer, TURN)
         for i in range(len(prompt_ids) - 1, -1, -1):
             if turn_id is not None and prompt_ids[i] == turn_id:
                 break

@@ -208,14 +208,18 @@ class GenerationWorker:
                         return
                     self._current = self._pending.popleft()
                 job = self._current
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._current = None
-                    self.served += 1
-                    self.last_job = job
-                    self._cond.notify_all()
+            self._alone(job)
+
+    def _alone(self, job: Job) -> None:
+        """Run the current job by itself, then free the worker for the next."""
+        try:
+            self._run(job)
+        finally:
+            with self._cond:
+                self._current = None
+                self.served += 1
+                self.last_job = job
+                self._cond.notify_all()
 
     def _run(self, job: Job) -> None:
         job.started_at = time.perf_counter()

@@ -207,10 +207,10 @@ def test_tool_requests_are_checked_naming_the_field():
 @pytest.mark.parametrize("syntax", [GEMMA_SYNTAX, TAGS_SYNTAX], ids=["gemma", "json-tags"])
 def test_forced_calls_always_parse_and_validate(tokenizer, syntax):
     from dlm.runtime.structured.formats import TOOL_CALLS, ResponseFormat
-    from dlm.runtime.text import _token_id
+    from dlm.runtime.text import token_id
 
     request = parse_tools(TOOLS, "required", False)
-    lark = call_grammar(request, syntax, lambda text: _token_id(tokenizer, text))
+    lark = call_grammar(request, syntax, lambda text: token_id(tokenizer, text))
     fmt = ResponseFormat(TOOL_CALLS, {}, where="tool_choice", lark=lark)
     for seed in range(4):
         frontier = frontier_for(tokenizer, fmt, budget=160)
