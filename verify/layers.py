@@ -20,6 +20,7 @@ computation order, whose cosine drops below the precision's bound
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Optional
 
 import numpy as np
@@ -66,9 +67,14 @@ def capture(stacks: dict):
     into per-layer arrays by ``result``."""
     calls: dict[str, list] = {name: [] for name in stacks}
     hooks = []
+    # Only this thread's calls: lockstep passes (dlm.verify.lockstep) run the
+    # same modules in other threads at the same time.
+    owner = threading.get_ident()
     for name, layers in stacks.items():
         for i, layer in enumerate(layers):
             def hook(module, args, output, name=name, i=i):
+                if threading.get_ident() != owner:
+                    return
                 out = output[0] if isinstance(output, (tuple, list)) else output
                 calls[name].append((i, _numpy(out)))
             hooks.append(layer.register_forward_hook(hook))

@@ -19,7 +19,9 @@ name the weight source holds and materializes it under all of its names, so
 one read serves both and nothing of the encoder's copy stays resident. At most
 one layer is materialized at a time, whatever calls it (the reference's
 forward or its own ``generate``), so peak memory is the resident tensors, one
-layer, the activations and the KV cache.
+layer, the activations and the KV cache. ``LayerStreamer.lockstep`` runs
+independent passes (the logits cases, a commit stream's runs) in threads that
+share each layer load (``dlm.verify.lockstep``).
 
 Weight sources: ``CheckpointSource`` (a checkpoint's safetensors, read with
 ``safetensors.safe_open`` per layer and closed again, so the file pages do not
@@ -350,6 +352,8 @@ class LayerStreamer:
         self._put(resident)
         self._load_buffers(optional)
         self._current: Optional[int] = None
+        self._gate = None  # a running Lockstep
+        self._rank = {lid: r for r, lid in enumerate(self._where)}
         self._hooks = []
         for layers in stacks.values():
             for layer in layers:
@@ -421,12 +425,13 @@ class LayerStreamer:
             if live is not meta and live.device.type != "meta":
                 self._pool.setdefault((tuple(live.shape), live.dtype), []).append(live.data)
 
-    def _before(self, module, args):
-        lid = id(module)
+    def _materialize(self, lid: int) -> None:
+        """Make layer ``lid`` the one materialized layer."""
         if self._current == lid:
             return
         if self._current is not None:
             self._release(self._current)
+            self._current = None
         missing = [self._names[p][0] for p in self._layer_params[lid] if self._key[p] is None]
         if missing:
             raise WeightError(f"{self._where_src}: no tensor {missing[0]}, which this forward pass needs")
@@ -436,10 +441,37 @@ class LayerStreamer:
         self.layer_loads += 1
         self.bar.step(f"{self.label}: {stack} layers", i, n)
 
+    def _order(self, lid: int) -> int:
+        return self._rank[lid]
+
+    def _before(self, module, args):
+        if self._gate is not None and self._gate.owns():
+            self._gate.before(id(module))
+        else:
+            self._materialize(id(module))
+
     def _after(self, module, args, output):
-        if self._current == id(module):
+        if self._gate is not None and self._gate.owns():
+            self._gate.after()  # the layer stays until the next one is chosen
+        elif self._current == id(module):
             self._release(self._current)
             self._current = None
+
+    def lockstep(self, jobs: list) -> list:
+        """Run independent forward passes (callables) so that they share each
+        layer load (``dlm.verify.lockstep``); their results, in order."""
+        from .lockstep import Lockstep
+
+        if len(jobs) <= 1:
+            return [job() for job in jobs]
+        self._gate = Lockstep(self)
+        try:
+            return self._gate.run(jobs)
+        finally:
+            self._gate = None
+            if self._current is not None:
+                self._release(self._current)
+                self._current = None
 
     def close(self) -> None:
         for h in self._hooks:

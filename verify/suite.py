@@ -22,6 +22,7 @@ timings in its run's meta (saved in bundles).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,13 @@ def _mlx_logits(adapter, loaded, case, hidden: dict, layer_cases):
     return out
 
 
+def _waves(adapter, cases) -> list[list]:
+    """The cases in waves whose members need nothing of each other (the
+    adapter's ``case_waves``; default: one wave)."""
+    waves = getattr(adapter, "case_waves", None)
+    return waves(cases) if callable(waves) else [list(cases)]
+
+
 def _forwards(streams) -> int:
     """Denoising forward passes of commit streams (one per traced step)."""
     return int(sum(b.steps for s in streams for b in s.blocks))
@@ -144,8 +152,18 @@ def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress,
     if getattr(ref, "streamer", None) is not None:
         ref.streamer.label, ref.streamer.bar.enabled = label, progress
     t = time.perf_counter()
-    for case in _tqdm(cases, f"{label}: logits", progress):
-        run.logits[case.name] = _reference_logits(adapter, ref, case, run.logits, run.hidden, layer_cases)
+    streamer = getattr(ref, "streamer", None)
+    if streamer is None:
+        for case in _tqdm(cases, f"{label}: logits", progress):
+            run.logits[case.name] = _reference_logits(adapter, ref, case, run.logits, run.hidden, layer_cases)
+    else:  # layer-streamed: independent cases share each layer read (dlm.verify.lockstep)
+        loads = streamer.layer_loads
+        for wave in _tqdm(_waves(adapter, cases), f"{label}: logits (cases run together)", progress):
+            jobs = [functools.partial(_reference_logits, adapter, ref, case, run.logits, run.hidden, layer_cases)
+                    for case in wave]
+            for case, logits in zip(wave, streamer.lockstep(jobs)):
+                run.logits[case.name] = logits
+        timings["logits_layer_loads"] = streamer.layer_loads - loads
     timings["logits"] = time.perf_counter() - t
     t = time.perf_counter()
     for i in _tqdm(stream_idx, f"{label}: commit streams", progress):

@@ -25,6 +25,8 @@ from dlm.quantize.modes import module_quantization
 from dlm.runtime.checkpoint import read_json, weight_files
 from dlm.runtime.errors import ConfigError, WeightError
 
+from .dequant import maybe_dequantize
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -115,7 +117,9 @@ class DequantizedWeights(Mapping):
 
     Every read maps the shard afresh and drops it after, so nothing read stays
     resident: a layer-streamed reference reads each layer again on every
-    forward pass in bounded memory."""
+    forward pass in bounded memory. 2/4/8-bit affine tensors with float32
+    scales dequantize on torch's threads (``dlm.verify.dequant``, bit-identical
+    to ``mx.dequantize``, ~5x faster on 2 cores); the rest through MLX."""
 
     def __init__(self, model_dir: Path, config: dict, upcast: bool = False):
         self.model_dir, self.config = Path(model_dir), config
@@ -210,6 +214,10 @@ class DequantizedWeights(Mapping):
                     biases = self._lookup(raw, module + ".biases")
                     if self.upcast:
                         scales, biases = _upcast_half(scales), _upcast_half(biases)
+                    fast = maybe_dequantize(arr, scales, biases, params) if self._shape_ok(name, params) else None
+                    if fast is not None:
+                        out[name] = fast
+                        continue
                     try:
                         arr = mx.dequantize(
                             arr, scales, biases,
@@ -223,6 +231,17 @@ class DequantizedWeights(Mapping):
                 out[name] = np.array(arr)
             del raw
         return out
+
+    def _shape_ok(self, name: str, params: dict) -> bool:
+        """Packed, scale and bias shapes agree (else mx.dequantize names the problem)."""
+        module = name[: -len(".weight")]
+        packed = self._meta[name][0]
+        scales = self._meta[module + ".scales"][0]
+        biases = self._meta.get(module + ".biases", (None,))[0]
+        cols = self.shape(name)[-1]
+        group = int(params["group_size"])
+        return (biases == scales and cols % group == 0
+                and tuple(scales) == tuple(packed[:-1]) + (cols // group,))
 
     def _lookup(self, raw: dict, name: str):
         """A companion tensor (scales / biases), possibly in another shard."""

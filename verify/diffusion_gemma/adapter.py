@@ -169,6 +169,19 @@ def _complete_case(case: LogitCase, done: dict) -> None:
         case.arrays.update(sc_inputs(done[src], float(case.meta["sc_temperature"])))
 
 
+def case_waves(cases: list[LogitCase]) -> list[list[LogitCase]]:
+    """The cases in waves: a self-conditioned case comes after the case whose
+    logits it is conditioned on (the suite runs each wave's cases together)."""
+    wave: dict[str, int] = {}
+    for case in cases:
+        src = case.meta.get("sc_from")
+        wave[case.name] = wave.get(src, -1) + 1 if src else 0
+    out: list[list[LogitCase]] = [[] for _ in range(max(wave.values(), default=-1) + 1)]
+    for case in cases:
+        out[wave[case.name]].append(case)
+    return out
+
+
 def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
     """Prefill (+ optional committed canvas) then one decoder step, exactly as
     ``generate`` calls the encoder and the decoder (dynamic cache)."""
@@ -182,10 +195,11 @@ def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
     with torch.no_grad():
         ids = torch.tensor([case.prompt_ids], dtype=torch.long)
         key = (tuple(case.prompt_ids), tuple(id(i) for i in case.images))
-        if ref.streamer is not None and ref.prefilled is not None and ref.prefilled[0] == key:
+        shared = ref.prefilled  # read once: lockstep cases may replace it meanwhile
+        if ref.streamer is not None and shared is not None and shared[0] == key:
             # Layer-streamed: the cases of one prompt share its prefill (a copy of
             # the encoder's cache), so each reads the layers for its decoder pass only.
-            cache, pos = copy.deepcopy(ref.prefilled[1]), len(case.prompt_ids)
+            cache, pos = copy.deepcopy(shared[1]), len(case.prompt_ids)
         else:
             cache = DynamicCache(config=model.config.get_text_config(decoder=True))
             pos = _encode(model, ids, cache, start=0, prefill=True, images=case.images)

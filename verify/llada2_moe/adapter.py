@@ -16,6 +16,8 @@ torch is imported lazily (bundle comparisons run without it).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,24 +303,31 @@ def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dic
 
     from .torch_model import generate
 
-    stream = CommitStream(prompt_ids=list(prompt_ids), blocks=[])
-    finish = []
-    for run in settings["runs"]:
+    def one(run):
         recorders: dict[int, TraceRecorder] = {}
 
         def on_step(b, s, logits):
             recorders.setdefault(b, TraceRecorder(prompt_ids)).step(logits.float().numpy())
 
         seed = run.get("seed")
-        out = generate(
-            ref.model, torch.tensor(prompt_ids, dtype=torch.long),
-            temperature=float(run["temperature"]), top_p=run.get("top_p"),
-            block_length=settings["block_length"], steps=settings["steps"],
-            gen_length=settings["max_tokens"], threshold=settings["threshold"],
-            eos_id=settings["eos_token_id"], mask_id=settings["mask_token_id"],
-            hub_sampler=False, uniforms=UniformStream(seed) if seed is not None else None,
-            suppress_mask=True, early_stop=True, on_step=on_step,
-        ).tolist()
+        with torch.no_grad():
+            out = generate(
+                ref.model, torch.tensor(prompt_ids, dtype=torch.long),
+                temperature=float(run["temperature"]), top_p=run.get("top_p"),
+                block_length=settings["block_length"], steps=settings["steps"],
+                gen_length=settings["max_tokens"], threshold=settings["threshold"],
+                eos_id=settings["eos_token_id"], mask_id=settings["mask_token_id"],
+                hub_sampler=False, uniforms=UniformStream(seed) if seed is not None else None,
+                suppress_mask=True, early_stop=True, on_step=on_step,
+            ).tolist()
+        return recorders, out
+
+    jobs = [functools.partial(one, run) for run in settings["runs"]]
+    # Layer-streamed: the runs (greedy, seeded) are independent passes that share each layer read.
+    results = ref.streamer.lockstep(jobs) if ref.streamer is not None else [job() for job in jobs]
+    stream = CommitStream(prompt_ids=list(prompt_ids), blocks=[])
+    finish = []
+    for run, (recorders, out) in zip(settings["runs"], results):
         traced = sorted(recorders)
         blocks = _blocks_of(len(prompt_ids), out, settings, traced)
         for b, tokens in zip(traced, blocks):
