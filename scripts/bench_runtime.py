@@ -15,9 +15,16 @@ mlx-vlm must be importable from ``--peer`` (default .peer/, installed with
 ``pip install --no-deps --target .peer mlx-vlm==0.7.10 requests certifi
 charset-normalizer idna urllib3 pillow``); without it only dlm is timed.
 
+    .venv/bin/python -m scripts.bench_runtime --sizes release --canvases 1 --steps 2 --repeats 3
+
+``release`` is the released 26B-A4B text geometry (vocab 262144, canvas 256, 128 experts top-8) with
+``--release-layers`` (2) decoder layers: ~4.8 GB bf16 source, a 9.2 GB float32 conversion, and both
+tools hold a float32 copy in one process (~19 GB): run it on an otherwise idle machine.
+
 Metrics: committed tokens/s = generated tokens / (wall time of the call minus
-its prefill); ms per denoising step = that time / decoder passes; best of the
-repeats (the least disturbed run on a shared machine; medians are in --json).
+its prefill); ms per denoising step = that time / decoder passes, each run by
+its own counts (a run that stops early is divided by its own steps); the
+median over the interleaved repeats, with the min-max range.
 """
 
 from __future__ import annotations
@@ -47,10 +54,26 @@ SIZES = {
         num_global_key_value_heads=1, sliding_window=64, num_experts=16, top_k_experts=4,
         moe_intermediate_size=128)),
 }
+# "release": the released google/diffusiongemma-26B-A4B-it text geometry (vocab 262144, hidden 2816, 128
+# experts top-8, canvas 256) with --release-layers decoder layers, random bf16 weights written tensor by
+# tensor (scripts/bench_full_scale.py's builder), converted to float32 / 4-bit.
+SIZES["release"] = dict(canvas=256, text=None)
 DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4)}
+RELEASE_DTYPES = {"f32": dict(dtype="float32"), "q4": dict(quantize=True, q_bits=4)}
 
 
-def build(work: Path, size: str, dtype: str) -> Path:
+def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
+    if size == "release":
+        from scripts.bench_full_scale import build_diffusion_gemma as build_release
+
+        tag = f"release{release_layers}L"
+        hf = work / f"{tag}-hf"
+        if not (hf / "config.json").exists():
+            build_release(hf, release_layers, seed=0)
+        out = work / f"{tag}-{dtype}"
+        if not (out / "config.json").exists():
+            convert_dir(hf, out, **RELEASE_DTYPES[dtype])
+        return out
     hf = work / f"{size}-hf"
     if not (hf / "config.json").exists():
         spec = SIZES[size]
@@ -118,6 +141,7 @@ def main():
     ap.add_argument("--work", default=str(ROOT / ".bench"))
     ap.add_argument("--peer", default=str(ROOT / ".peer"))
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--release-layers", type=int, default=2, help="decoder layers of --sizes release")
     a = ap.parse_args()
 
     import mlx.core as mx
@@ -139,7 +163,7 @@ def main():
     results = []
     for size in a.sizes:
         for dtype in a.dtypes:
-            path = build(work, size, dtype)
+            path = build(work, size, dtype, a.release_layers)
             loaded = api.load(path)
             max_tokens = a.canvases * loaded.args.canvas_length
             tools = {"dlm": lambda seed: run_dlm(loaded, prompt_ids, max_tokens, a.steps, seed)}

@@ -216,6 +216,36 @@ def test_whole_parts_of_the_same_weights_reference(tiny_llada2_mlx_dir, tiny_dg_
     assert S.whole_parts(ckpt, "bfloat16") == {"the reference in bfloat16": 2 * ckpt.numel()}
 
 
+def _run_the_same_weights_reference(monkeypatch):
+    """The tiny float32 conversion holds the checkpoint's weights bit for bit, so
+    run_parity would reuse the original reference; these tests need the run."""
+    import dlm.verify.suite as suite
+
+    monkeypatch.setattr(suite, "_same_as_original", lambda *a, **k: "")
+
+
+def test_an_unquantized_conversion_reuses_the_original_reference(tiny_llada2_mlx_dir, tmp_path):
+    """Bit-identical weights (float32 in, float32 out): the same-weights reference
+    is the original one, not run again; a changed tensor makes it run."""
+    hf = tiny_llada2_mlx_dir.parent / "hf"
+    report = run_parity(tiny_llada2_mlx_dir, verify_options(reference=str(hf), long_prompt=False, stream_prompts=0))
+    impl = {c.name: c for c in report.checks}["implementation"]
+    assert impl.status == "pass" and "not run twice" in impl.note, impl.note
+    assert "load" not in report.timings["implementation"]  # nothing was loaded for it
+    # One weight changed in the MLX copy: now the weights differ, so the reference runs on them.
+    import mlx.core as mx
+
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_llada2_mlx_dir, changed)
+    weights = mx.load(str(changed / "model.safetensors"))
+    name = next(k for k in sorted(weights) if k.endswith("input_layernorm.weight"))
+    weights[name] = weights[name] * 1.001
+    mx.save_safetensors(str(changed / "model.safetensors"), weights)
+    report = run_parity(changed, verify_options(reference=str(hf), long_prompt=False, stream_prompts=0))
+    impl = {c.name: c for c in report.checks}["implementation"]
+    assert impl.status == "pass" and "reference run with the MLX weights" in impl.note, impl.note
+
+
 def test_auto_mode_streams_the_same_weights_reference_when_all_of_it_does_not_fit(tiny_llada2_mlx_dir,
                                                                                  monkeypatch):
     """The reference alone fits the auto share of the budget, but with the
@@ -227,6 +257,7 @@ def test_auto_mode_streams_the_same_weights_reference_when_all_of_it_does_not_fi
     hf = tiny_llada2_mlx_dir.parent / "hf"
     ref = S.reference_bytes(S.CheckpointSource(hf), "float32")
     monkeypatch.setattr(S, "AUTO_FRACTION", 1.5 * ref / budget_bytes())
+    _run_the_same_weights_reference(monkeypatch)
     report = run_parity(tiny_llada2_mlx_dir, verify_options(reference=str(hf), long_prompt=False,
                                                             stream_prompts=0))
     modes = report.streaming
@@ -240,6 +271,7 @@ def test_auto_mode_streams_the_same_weights_reference_when_all_of_it_does_not_fi
 def test_the_mlx_model_is_released_before_the_same_weights_reference(tiny_llada2_mlx_dir, monkeypatch):
     """Phases do not overlap: when the same-weights reference loads, the MLX
     model's weights are gone (at the released scale both do not fit)."""
+    _run_the_same_weights_reference(monkeypatch)
     import gc
     import weakref
 

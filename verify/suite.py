@@ -324,6 +324,33 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
     return run
 
 
+def _same_as_original(mlx_dir: Path, config: dict, family, bundle: B.Bundle, prec: W.Precision,
+                      upcast: bool) -> str:
+    """A note when the same-weights reference would be the original one over
+    again: an unquantized conversion whose every tensor, as float32, equals
+    the checkpoint's under the same name, bit for bit, and a float32 original
+    reference (compared one tensor at a time); "" otherwise."""
+    meta = bundle.original.meta
+    path = Path(meta.get("path") or "")
+    if prec.quantized or meta.get("dtype") != "float32" or not (path / "config.json").is_file():
+        return ""
+    import numpy as np
+
+    mlx = S.MlxSource(W.dequantized_weights(mlx_dir, config, upcast=upcast), family.model().to_hf)
+    checkpoint = S.CheckpointSource(path)
+    names = list(mlx.keys())
+    if not names or any(n not in checkpoint for n in names):
+        return ""
+    for name in names:
+        ours, theirs = mlx.read([name])[name], checkpoint.read([name])[name]
+        if tuple(ours.shape) != tuple(theirs.shape):
+            return ""
+        if not np.array_equal(ours.float().numpy(), theirs.float().numpy()):
+            return ""
+    return (f"the MLX weights are the checkpoint's, bit for bit ({len(names)} tensors compared): the "
+            "original-weights reference is the same-weights reference (not run twice)")
+
+
 def _scales_mismatch(matched: B.ReferenceRun, mlx_dir: Path, config: dict, upcast: bool) -> str:
     """A note when a bundle's same-weights reference dequantized with scales in
     another dtype than the loaded MLX model holds (bundles without the record:
@@ -462,14 +489,21 @@ def run_parity(mlx_dir, options: Options) -> Report:
             except ImportError:
                 matched_note = "needs torch (or a bundle recorded with --mlx for these weights)"
             else:
-                matched = _matched_run(mlx_dir, bundle, family, adapter, options, loaded=loaded)
-                matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
-                if matched.meta.get("mode") == "streamed":
-                    matched_note += ", layer-streamed"
+                same = _same_as_original(mlx_dir, config, family, bundle, prec, loaded.upcast)
+                if same:
+                    matched, matched_note = bundle.original, same
+                else:
+                    matched = _matched_run(mlx_dir, bundle, family, adapter, options, loaded=loaded)
+                    matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
+                    if matched.meta.get("mode") == "streamed":
+                        matched_note += ", layer-streamed"
     else:
         matched_note = "disabled (--no-implementation)"
+    reused = matched is bundle.original
     timings["implementation"] = (dict(matched.meta.get("timings", {}), total=round(time.perf_counter() - t, 3))
-                                 if matched is not None else {"total": round(time.perf_counter() - t, 3)})
+                                 if matched is not None and not reused
+                                 else {"total": round(time.perf_counter() - t, 3),
+                                       **({"reused": "the original-weights reference"} if reused else {})})
 
     t = time.perf_counter()
     thr = options.thresholds
@@ -520,7 +554,7 @@ def run_parity(mlx_dir, options: Options) -> Report:
     timings["total"] = round(time.perf_counter() - start, 3)
     modes = {"reference": bundle.original.meta.get("mode", "whole"),
              "reference_reason": bundle.original.meta.get("mode_reason", "")}
-    if matched is not None:
+    if matched is not None and not reused:
         modes.update(implementation=matched.meta.get("mode", "whole"),
                      implementation_reason=matched.meta.get("mode_reason", ""))
 
