@@ -131,10 +131,11 @@ def test_streamed_llada2_equals_whole_and_remote_code(tiny_llada2_mlx_dir, tmp_p
         assert np.abs(got[0] - got[1]).max() <= 1e-6, case.name
 
 
-def test_cli_stream_layers_uses_the_streamed_budget(tiny_llada2_mlx_dir, tmp_path):
+def test_cli_stream_layers_uses_the_streamed_budget(tiny_llada2_mlx_dir, tmp_path, monkeypatch):
     """--stream-layers: both references stream, and unset budgets take the
     streamed defaults (1 canvas of at most 8 steps, 1 prompt); the report
     records the modes and per-phase timings."""
+    _run_the_same_weights_reference(monkeypatch)
     from click.testing import CliRunner
 
     from dlm.verify.cli import main
