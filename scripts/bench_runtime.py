@@ -84,13 +84,13 @@ def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
     return out
 
 
-def run_dlm(loaded, prompt_ids, max_tokens, steps, seed):
+def run_dlm(loaded, prompt_ids, max_tokens, steps, seed, extra=None):
     from dlm.runtime import api
 
     start = time.perf_counter()
     res = api.generate(loaded, prompt_ids, {
         "max_tokens": max_tokens, "max_denoising_steps": steps, "diffusion_full_canvas": True,
-        "diffusion_sampler": "entropy-bound", "temp": 1.0, "seed": seed,
+        "diffusion_sampler": "entropy-bound", "temp": 1.0, "seed": seed, **(extra or {}),
     })
     wall = time.perf_counter() - start
     s = res.stats
@@ -166,7 +166,10 @@ def main():
             path = build(work, size, dtype, a.release_layers)
             loaded = api.load(path)
             max_tokens = a.canvases * loaded.args.canvas_length
-            tools = {"dlm": lambda seed: run_dlm(loaded, prompt_ids, max_tokens, a.steps, seed)}
+            # release: mlx-vlm's copy of the model sits in the same process, and dlm's default
+            # memory budget (80% of RAM less *all* MLX memory) would count it as dlm's.
+            extra = {"memory_budget": 4.0} if size == "release" else None
+            tools = {"dlm": lambda seed: run_dlm(loaded, prompt_ids, max_tokens, a.steps, seed, extra)}
             if vlm_load is not None:
                 vmodel, vproc = vlm_load(str(path))
                 tools["mlx-vlm"] = lambda seed: run_vlm(vmodel, vproc, prompt_ids, max_tokens, a.steps, seed)
