@@ -60,6 +60,13 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     outputs while ``reference_logits`` runs, and compares them with
     ``mlx_logits(..., collect=...)``'s.
 
+``case_waves(cases) -> list[list[LogitCase]]`` (optional)
+    The logits cases in waves whose members need nothing of each other (a
+    case that reads another case's logits comes in a later wave). A
+    layer-streamed reference runs each wave's cases in lockstep
+    (``dlm.verify.lockstep``). Default: one wave. ``reference_logits`` must
+    then be safe to call from several threads at once.
+
 ``stream_settings(config, generation_config, *, blocks, steps) -> dict``
     JSON-able settings of the deterministic generation compared by the commit
     stream check: ``blocks`` canvases/blocks, at most ``steps`` denoising steps

@@ -211,6 +211,15 @@ class MlxSource:
     def numel(self) -> int:
         return sum(int(np.prod(s.shape, dtype=np.int64)) for s in self._slots.values())
 
+    def groups(self) -> list[list[str]]:
+        """The reference's names, grouped by the converted tensor they come from
+        (LLaDA-2's per-expert names of one stacked tensor together): read a
+        group at once to dequantize each converted tensor once."""
+        out: dict[str, list[str]] = {}
+        for name, slot in self._slots.items():
+            out.setdefault(slot.name, []).append(name)
+        return list(out.values())
+
     def largest(self) -> int:
         """Elements of the largest converted tensor (the unit a lazy to_hf hands over)."""
         sizes = {s.name: int(np.prod(self.weights.shape(s.name), dtype=np.int64)) for s in self._slots.values()}

@@ -341,12 +341,14 @@ def _same_as_original(mlx_dir: Path, config: dict, family, bundle: B.Bundle, pre
     names = list(mlx.keys())
     if not names or any(n not in checkpoint for n in names):
         return ""
-    for name in names:
-        ours, theirs = mlx.read([name])[name], checkpoint.read([name])[name]
-        if tuple(ours.shape) != tuple(theirs.shape):
-            return ""
-        if not np.array_equal(ours.float().numpy(), theirs.float().numpy()):
-            return ""
+    for group in mlx.groups():  # each converted tensor read once (a stack of experts at a time)
+        ours, theirs = mlx.read(group), checkpoint.read(group)
+        for name in group:
+            if tuple(ours[name].shape) != tuple(theirs[name].shape):
+                return ""
+            if not np.array_equal(ours[name].float().numpy(), theirs[name].float().numpy()):
+                return ""
+        del ours, theirs
     return (f"the MLX weights are the checkpoint's, bit for bit ({len(names)} tensors compared): the "
             "original-weights reference is the same-weights reference (not run twice)")
 

@@ -102,7 +102,6 @@ class DecoderModel(nn.Module):
         return self._compiled
 
 
-
 class EncoderLayerScalar(nn.Module):
     def __init__(self):
         super().__init__()
