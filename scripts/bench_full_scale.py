@@ -345,6 +345,9 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "full_scale")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the conversion")
     ap.add_argument("--skip-verify", action="store_true", help="no dlm-verify --parity step")
+    ap.add_argument("--skip-generate", action="store_true", help="no dlm-run generate step")
+    ap.add_argument("--reuse-output", action="store_true",
+                    help="keep an existing conversion in WORK (from an earlier --keep run) instead of converting again")
     ap.add_argument("--verify-arg", action="append", default=[],
                     help="extra dlm-verify argument (repeatable), e.g. --verify-arg=--reference-dtype=bfloat16")
     ap.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
@@ -366,7 +369,8 @@ def main() -> int:
     specs = fam["shapes"](n)
     sz = sizes(specs)
     have_src = (src / "model.safetensors.index.json").is_file()
-    need = (0 if have_src else sz["source_bytes"]) + sz["output_bytes_est"] + args.margin_gb * GB
+    have_out = args.reuse_output and (out / "config.json").is_file()
+    need = (0 if have_src else sz["source_bytes"]) + (0 if have_out else sz["output_bytes_est"]) + args.margin_gb * GB
     free = shutil.disk_usage(args.work).free
     print(f"{fam['label']}, {n} layers: {sz['tensors']} tensors, {sz['params'] / 1e9:.3f} B parameters\n"
           f"disk: needs {need / GB:.1f} GB = source bf16 {sz['source_bytes'] / GB:.1f} GB"
@@ -401,13 +405,16 @@ def main() -> int:
             print(f"warning: the index has {len(index['weight_map'])} tensors, expected {sz['tensors']}", flush=True)
         logs.mkdir(exist_ok=True)
 
-        conv = measure([str(BIN / "dlm-convert"), str(src), "-o", str(out), "--q-bits", "4", "--no-progress",
-                        "--overwrite"], logs, "convert")
-        conv["output_gb"] = dir_bytes(out) / GB
-        result["steps"]["convert"] = conv
-        result["disk_free_after_convert_gb"] = shutil.disk_usage(args.work).free / GB
-        if conv["rc"]:
-            raise SystemExit(1)
+        if have_out:
+            result["steps"]["convert"] = {"skipped": f"--reuse-output ({out})", "output_gb": dir_bytes(out) / GB}
+        else:
+            conv = measure([str(BIN / "dlm-convert"), str(src), "-o", str(out), "--q-bits", "4", "--no-progress",
+                            "--overwrite"], logs, "convert")
+            conv["output_gb"] = dir_bytes(out) / GB
+            result["steps"]["convert"] = conv
+            result["disk_free_after_convert_gb"] = shutil.disk_usage(args.work).free / GB
+            if conv["rc"]:
+                raise SystemExit(1)
 
         if args.skip_verify:
             result["steps"]["verify"] = {"skipped": "--skip-verify"}
@@ -427,6 +434,9 @@ def main() -> int:
                 print(f"    modes: {ver['streaming']}")
             result["steps"]["verify"] = ver
 
+        if args.skip_generate:
+            result["steps"]["generate"] = {"skipped": "--skip-generate"}
+            return 0 if all(not st.get("rc") for st in result["steps"].values()) else 1
         gen = measure([str(BIN / "dlm-run"), "generate", "--model", str(out), "--prompt", args.prompt,
                        "--max-tokens", str(args.max_tokens), "--max-denoising-steps", str(args.max_denoising_steps),
                        "--seed", str(args.seed), "--profile", "--json"], logs, "generate")

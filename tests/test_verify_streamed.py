@@ -151,6 +151,11 @@ def test_cli_stream_layers_uses_the_streamed_budget(tiny_llada2_mlx_dir, tmp_pat
     assert doc["settings"]["max_new_tokens"] == 32  # one block of 32
     assert doc["timings"]["reference"]["stream_forwards"] > 0 and "load" in doc["timings"]["implementation"]
     assert "s/forward" in result.output and "layer by layer" in result.output
+    rss = doc["timings"]["rss_gb"]  # each phase's resident peak: which one sets the run's
+    for phase in ("reference: logits", "reference: commit streams", "MLX: logits",
+                  "reference (MLX weights): logits"):
+        assert 0 < rss[phase]["end"] <= rss[phase]["peak"], (phase, rss)
+    assert "peak RSS" in result.output
 
 
 def test_auto_mode_and_layer_progress(capsys):

@@ -223,6 +223,10 @@ class Report:
                     parts.append(f"{key} (" + ", ".join(phases) + ")")
         if isinstance(self.timings.get("total"), (int, float)):
             parts.append(f"total {self.timings['total']:.1f} s")
+        rss = self.timings.get("rss_gb") or {}
+        if rss:  # the phase that set the run's peak resident memory
+            top = max(rss, key=lambda k: rss[k]["peak"])
+            parts.append(f"peak RSS {rss[top]['peak']:.2f} GB ({top})")
         return "; ".join(parts)
 
     def layers_markdown(self) -> list[str]:

@@ -42,6 +42,7 @@ import numpy as np
 
 from dlm.runtime.errors import DlmError, WeightError
 
+from . import memory as M
 from .progress import LayerBar
 
 # Stream when what a whole-model run holds at its peak (the reference in its
@@ -446,6 +447,7 @@ class LayerStreamer:
             raise WeightError(f"{self._where_src}: no tensor {missing[0]}, which this forward pass needs")
         stack, i, n = self._where[lid]
         self._put(self._layer_params[lid], pooled=True)
+        M.trim()  # the read's transient tensors (memory.py: why)
         self._current = lid
         self.layer_loads += 1
         self.bar.step(f"{self.label}: {stack} layers", i, n)
@@ -490,6 +492,7 @@ class LayerStreamer:
             self._release(self._current)
             self._current = None
         self._pool = {}
+        M.trim()
         self.bar.close()
 
     def stats(self) -> dict:

@@ -35,6 +35,7 @@ from dlm.runtime.registry import family_for_config
 from . import bundle as B
 from . import checks as C
 from . import layers as L
+from . import memory as M
 from . import streaming as S
 from .store import ArrayStore
 from . import weights as W
@@ -153,21 +154,23 @@ def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress,
         ref.streamer.label, ref.streamer.bar.enabled = label, progress
     t = time.perf_counter()
     streamer = getattr(ref, "streamer", None)
-    if streamer is None:
-        for case in _tqdm(cases, f"{label}: logits", progress):
-            run.logits[case.name] = _reference_logits(adapter, ref, case, run.logits, run.hidden, layer_cases)
-    else:  # layer-streamed: independent cases share each layer read (dlm.verify.lockstep)
-        loads = streamer.layer_loads
-        for wave in _tqdm(_waves(adapter, cases), f"{label}: logits (cases run together)", progress):
-            jobs = [functools.partial(_reference_logits, adapter, ref, case, run.logits, run.hidden, layer_cases)
-                    for case in wave]
-            for case, logits in zip(wave, streamer.lockstep(jobs)):
-                run.logits[case.name] = logits
-        timings["logits_layer_loads"] = streamer.layer_loads - loads
+    with M.phase(f"{label}: logits"):
+        if streamer is None:
+            for case in _tqdm(cases, f"{label}: logits", progress):
+                run.logits[case.name] = _reference_logits(adapter, ref, case, run.logits, run.hidden, layer_cases)
+        else:  # layer-streamed: independent cases share each layer read (dlm.verify.lockstep)
+            loads = streamer.layer_loads
+            for wave in _tqdm(_waves(adapter, cases), f"{label}: logits (cases run together)", progress):
+                jobs = [functools.partial(_reference_logits, adapter, ref, case, run.logits, run.hidden,
+                                          layer_cases) for case in wave]
+                for case, logits in zip(wave, streamer.lockstep(jobs)):
+                    run.logits[case.name] = logits
+            timings["logits_layer_loads"] = streamer.layer_loads - loads
     timings["logits"] = time.perf_counter() - t
     t = time.perf_counter()
-    for i in _tqdm(stream_idx, f"{label}: commit streams", progress):
-        run.streams.append(adapter.reference_commit_stream(ref, prompts[i], settings))
+    with M.phase(f"{label}: commit streams"):
+        for i in _tqdm(stream_idx, f"{label}: commit streams", progress):
+            run.streams.append(adapter.reference_commit_stream(ref, prompts[i], settings))
     timings["streams"] = time.perf_counter() - t
     timings["stream_forwards"] = _forwards(run.streams)
     if images is not None:
@@ -282,6 +285,7 @@ def _release(loaded) -> None:
     loaded.model = None
     gc.collect()
     mx.clear_cache()
+    M.trim()
 
 
 def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Options,
@@ -394,7 +398,15 @@ def _check_compatible(bundle: B.Bundle, config: dict, where: str) -> None:
 
 
 def run_parity(mlx_dir, options: Options) -> Report:
-    """Compare a converted MLX directory with its PyTorch reference."""
+    """Compare a converted MLX directory with its PyTorch reference; the
+    report's timings include each phase's peak resident memory (``rss_gb``)."""
+    with M.monitoring() as monitor:
+        report = _run_parity(mlx_dir, options)
+        report.timings["rss_gb"] = monitor.summary()
+    return report
+
+
+def _run_parity(mlx_dir, options: Options) -> Report:
     from dlm.runtime import loader
 
     start = time.perf_counter()
@@ -460,13 +472,15 @@ def run_parity(mlx_dir, options: Options) -> Report:
     mlx_hidden: dict = {}
     t = time.perf_counter()
     mlx_logits = ArrayStore()
-    for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
-        mlx_logits[case.name] = _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases)
+    with M.phase("MLX: logits"):
+        for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
+            mlx_logits[case.name] = _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases)
     mlx_t["logits"] = time.perf_counter() - t
     t = time.perf_counter()
     mlx_streams = []
-    for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
-        mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
+    with M.phase("MLX: commit streams"):
+        for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
+            mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
     mlx_t["streams"] = time.perf_counter() - t
     mlx_t["stream_forwards"] = _forwards(mlx_streams)
     mlx_images = None
