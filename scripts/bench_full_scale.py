@@ -374,7 +374,8 @@ def main() -> int:
     free = shutil.disk_usage(args.work).free
     print(f"{fam['label']}, {n} layers: {sz['tensors']} tensors, {sz['params'] / 1e9:.3f} B parameters\n"
           f"disk: needs {need / GB:.1f} GB = source bf16 {sz['source_bytes'] / GB:.1f} GB"
-          f"{' (already built)' if have_src else ''} + 4-bit output ~{sz['output_bytes_est'] / GB:.1f} GB (estimate) "
+          f"{' (already built)' if have_src else ''} + 4-bit output ~{sz['output_bytes_est'] / GB:.1f} GB "
+          f"{'(kept from an earlier run)' if have_out else '(estimate)'} "
           f"+ margin {args.margin_gb:.0f} GB; free on {args.work}: {free / GB:.1f} GB", flush=True)
     if free < need:
         print(f"refused: not enough disk space ({free / GB:.1f} GB free, {need / GB:.1f} GB needed). Free some, "

@@ -16,6 +16,7 @@ mlx-vlm must be importable from ``--peer`` (default .peer/, installed with
 charset-normalizer idna urllib3 pillow``); without it only dlm is timed.
 
     .venv/bin/python -m scripts.bench_runtime --sizes release --canvases 1 --steps 2 --repeats 3
+    .venv/bin/python -m scripts.bench_runtime --sizes small --limits   # + the machine's limits and the step's bound
 
 ``release`` is the released 26B-A4B text geometry (vocab 262144, canvas 256, 128 experts top-8) with
 ``--release-layers`` (2) decoder layers: ~4.8 GB bf16 source, a 9.2 GB float32 conversion, and both
@@ -38,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from scripts import machine_limits
 from tests.builders import build_diffusion_gemma, convert_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,6 +144,9 @@ def main():
     ap.add_argument("--peer", default=str(ROOT / ".peer"))
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--release-layers", type=int, default=2, help="decoder layers of --sizes release")
+    ap.add_argument("--limits", action="store_true",
+                    help="also measure this machine's limits at each model's shapes (scripts/machine_limits.py) "
+                         "and print dlm's step as a multiple of its matrix-product bound")
     a = ap.parse_args()
 
     import mlx.core as mx
@@ -196,6 +201,16 @@ def main():
             if "speedup" in row:
                 line += f" | dlm/mlx-vlm {row['speedup']:.2f}x tok/s, {row['step_speedup']:.2f}x per step"
             print(line, flush=True)
+            if a.limits:
+                lim = machine_limits.report(loaded, len(prompt_ids), repeats=2)
+                lim["dlm_step_over_bound"] = row["dlm"]["ms_per_step"] / 1000 / lim["bound"]["seconds"]
+                row["limits"] = lim
+                pieces = ", ".join(f"{k} {v['seconds'] * 1000:.0f} ms ({v['rate']})"
+                                   for k, v in lim["bound"]["pieces"].items())
+                print(f"      limits: bandwidth read {lim['bandwidth_gbs']['read']} GB/s, GFLOP/s "
+                      + ", ".join(f"{k} {v}" for k, v in lim["gflops"].items())
+                      + f"; matrix-product bound {lim['bound']['seconds'] * 1000:.0f} ms/step ({pieces}); "
+                      f"dlm's step = {lim['dlm_step_over_bound']:.2f}x the bound", flush=True)
             del loaded
             mx.clear_cache()
 

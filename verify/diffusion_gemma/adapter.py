@@ -286,6 +286,23 @@ def _truncate_at_eos(tokens: list[int], eos: list[int]) -> tuple[list[int], bool
 
 
 @contextlib.contextmanager
+def _no_cudagraph_marks(model):
+    """transformers' denoising step calls ``torch.compiler.cudagraph_mark_step_begin``
+    (for CUDA graphs), whose first call imports torch's inductor: ~2-3 s of a
+    small model's verify. On a CPU reference it marks nothing: skip it there."""
+    import torch
+
+    marker = torch.compiler.cudagraph_mark_step_begin
+    on_cpu = all(p.device.type in ("cpu", "meta") for p in model.parameters())
+    if on_cpu:
+        torch.compiler.cudagraph_mark_step_begin = lambda: None
+    try:
+        yield
+    finally:
+        torch.compiler.cudagraph_mark_step_begin = marker
+
+
+@contextlib.contextmanager
 def debug_canvas_rng(vocab: int, length: int):
     """Replace the sampler's randomness by the debug canvas (reference §4.9).
 
@@ -382,7 +399,7 @@ def reference_commit_stream(ref: Reference, prompt, settings: dict) -> CommitStr
     model.forward = forward
     try:
         ids = torch.tensor([prompt_ids], dtype=torch.long)
-        with torch.no_grad(), debug_canvas_rng(V, L):
+        with torch.no_grad(), debug_canvas_rng(V, L), _no_cudagraph_marks(model):
             model.generate(ids, generation_config=gen, streamer=streamer,
                            **torch_image_kwargs(model, ids, images))
     finally:
