@@ -41,6 +41,12 @@ def parallel() -> bool:
     return len(cpu_streams()) > 1
 
 
+def splits(module) -> bool:
+    """A quantized module (it has ``scales``) on the CPU backend with several
+    streams: its kernel is single-threaded, so callers split its rows."""
+    return "scales" in module and parallel()
+
+
 def split_rows(fn: Callable[..., mx.array], *arrays: mx.array) -> mx.array:
     """``fn(*arrays)`` with the arrays' leading (row) axis split over the CPU
     streams; ``fn`` must treat rows independently."""

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cpu_streams import parallel, split_positions
+from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, matmul
 from .config import SLIDING, ModelArgs
 from .layers import DecoderLayer, PrefixCache, RMSNorm, SelfConditioning
@@ -89,7 +89,7 @@ class DecoderModel(nn.Module):
         """A quantized embedding on the CPU backend: the two full-vocabulary
         matmuls (head, self-conditioning) run eagerly with their rows split over
         the CPU streams (dlm.runtime.models.cpu_streams)."""
-        return _is_quantized(self.embed_tokens) and parallel()
+        return splits(self.embed_tokens)
 
     def compiled(self):
         if self._compiled is None:  # implicit inputs: only what these two read (not the layers)

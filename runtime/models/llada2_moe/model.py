@@ -11,7 +11,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cpu_streams import parallel, split_positions
+from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, linear, matmul, per_sequence
 from ..switch import SwitchLinear, by_expert, grouped
 from .config import ModelArgs
@@ -21,7 +21,7 @@ from .weights import sanitize
 def _linear(module, x):
     """``rows.linear``; a quantized module on the CPU backend has its rows split
     over the CPU streams (cpu_streams.py: its kernel is single-threaded)."""
-    if "scales" in module and parallel():
+    if splits(module):
         return split_positions(lambda rows: linear(module, rows), x)
     return linear(module, x)
 
@@ -299,7 +299,7 @@ class Model(nn.Module):
         def project(rows):
             return as_linear(module, rows) if tied else linear(module, rows)
 
-        out = split_positions(project, h) if "scales" in module and parallel() else project(h)
+        out = split_positions(project, h) if splits(module) else project(h)
         return out.astype(mx.float32)
 
     @staticmethod
