@@ -99,6 +99,9 @@ def _put_streams(arrays: dict, prefix: str, streams: list[CommitStream]) -> list
             arrays[base + "step_argmax"] = np.ascontiguousarray(block.step_argmax, np.int32)
             arrays[base + "topk_ids"] = np.ascontiguousarray(block.topk_ids, np.int32)
             arrays[base + "topk_logits"] = np.ascontiguousarray(block.topk_logits, np.float32)
+            if block.step_scores is not None:
+                arrays[base + "step_scores"] = np.ascontiguousarray(block.step_scores, np.float32)
+                arrays[base + "step_accept"] = np.ascontiguousarray(block.step_accept, np.uint8)
     return [_stream_to_json(s) for s in streams]
 
 
@@ -185,6 +188,10 @@ def _get_streams(arrays: dict, prefix: str, data: list, prompts: list, stream_pr
                 tokens=list(blk["tokens"]), steps=int(blk["steps"]),
                 step_argmax=_array(arrays, base + "step_argmax"), topk_ids=_array(arrays, base + "topk_ids"),
                 topk_logits=_array(arrays, base + "topk_logits"),
+                # (optional: bundles recorded before these, or by a family without them)
+                step_scores=arrays[base + "step_scores"] if base + "step_scores" in arrays else None,
+                step_accept=(np.asarray(arrays[base + "step_accept"]).astype(bool)
+                             if base + "step_accept" in arrays else None),
             ))
         streams.append(CommitStream(list(prompts[stream_prompts[i]]), blocks, s.get("finish_reason")))
     return streams

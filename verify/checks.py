@@ -122,6 +122,14 @@ def _stream_rows(ref: list[CommitStream], mlx: list[CommitStream], tol: float) -
         row["divergence_text"] = div.describe() if div else None
         row["near_tie"] = bool(div and div.near_tie(tol))
         row["stop_decision"] = bool(div and div.stop_decision)
+        accept = M.acceptance_tie(r, m, div, tol) if div and not row["near_tie"] else None
+        row["acceptance"] = accept
+        row["acceptance_tie"] = bool(accept and accept["tied"])
+        if accept:
+            row["divergence_text"] += (
+                f"; step {accept['step'] + 1} kept different positions ({accept['flipped']}: "
+                f"{accept['positions']}), " + ("a near-tie of their scores in both frameworks" if accept["tied"]
+                                               else "not a near-tie"))
         rows.append(row)
     return rows
 
@@ -139,9 +147,11 @@ def check_commit_stream(ref: list[CommitStream], mlx: list[CommitStream], prec: 
         steps_match_fraction=float(np.mean([r["same_steps"] for r in rows])),
         # identical tokens, or a first divergence the precision explains: a
         # near-tie (both candidates within the tie tolerance in both
-        # frameworks) or a stop decision taken one step apart
-        explained_fraction=float(np.mean([r["identical"] or r["near_tie"] or r["stop_decision"]
-                                          for r in rows])),
+        # frameworks), an acceptance near-tie (an earlier step kept positions
+        # whose scores tie with ones it did not keep, in both frameworks) or
+        # a stop decision taken one step apart
+        explained_fraction=float(np.mean([r["identical"] or r["near_tie"] or r["acceptance_tie"]
+                                          or r["stop_decision"] for r in rows])),
         token_match=float(np.mean([r["token_match"] for r in rows])),
         prompts=len(rows),
         tokens=int(sum(r["reference_tokens"] for r in rows)),

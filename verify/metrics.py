@@ -255,3 +255,32 @@ def stream_metrics(ref: CommitStream, mlx: CommitStream) -> dict:
         reference_steps_mean=float(np.mean(rs)) if rs else 0.0,
         mlx_steps_mean=float(np.mean(ms)) if ms else 0.0,
     )
+
+
+def acceptance_tie(ref: CommitStream, mlx: CommitStream, div: Divergence, tolerance: float) -> Optional[dict]:
+    """Why the argmaxes of ``div``'s step differ when every earlier step's
+    agreed: an earlier step kept different positions. Finds the first such
+    step (from the blocks' step_accept, None when a side lacks them) and
+    whether it was a near-tie: on each side, every position kept on one side
+    only has a score within ``tolerance`` of a position the same side decided
+    the other way (the two swap places at the acceptance cut)."""
+    if div.step is None or div.position < 0 or div.block >= min(len(ref.blocks), len(mlx.blocks)):
+        return None
+    rb, mb = ref.blocks[div.block], mlx.blocks[div.block]
+    if rb.step_accept is None or mb.step_accept is None:
+        return None
+    for t in range(min(div.step, len(rb.step_accept), len(mb.step_accept))):
+        ra, ma = rb.step_accept[t], mb.step_accept[t]
+        if ra.shape != ma.shape or np.array_equal(ra, ma):
+            continue
+        flipped = np.nonzero(ra != ma)[0]
+        tied = True
+        for scores, kept in ((rb.step_scores[t], ra), (mb.step_scores[t], ma)):
+            for p in flipped:
+                other = scores[kept != kept[p]]
+                if not other.size or np.min(np.abs(other - scores[p])) > tolerance:
+                    tied = False
+        return dict(step=int(t), positions=[int(p) for p in flipped[:8]], flipped=int(flipped.size), tied=tied,
+                    reference_scores=[float(rb.step_scores[t][p]) for p in flipped[:8]],
+                    mlx_scores=[float(mb.step_scores[t][p]) for p in flipped[:8]])
+    return None

@@ -185,6 +185,13 @@ class BlockTrace:
     # temperature), best first.
     topk_ids: np.ndarray
     topk_logits: np.ndarray
+    # [steps, positions] the statistic the family's sampler accepts positions
+    # by (DiffusionGemma: entropy at the step's temperature) and the positions
+    # its rule accepts by it; None where the family records none. They tell an
+    # acceptance near-tie (equal argmaxes, different positions kept) apart
+    # from a real divergence (metrics.acceptance_tie).
+    step_scores: Optional[np.ndarray] = None
+    step_accept: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -207,12 +214,17 @@ class TraceRecorder:
 
     Call ``step(logits)`` once per denoising step with that step's raw logits
     ``[positions, vocab]`` (numpy, or anything ``np.asarray`` accepts), then
-    ``commit(tokens)`` once per committed canvas/block.
+    ``commit(tokens)`` once per committed canvas/block. ``acceptance(logits,
+    step_index)``, optional: ``(scores, accepted)`` per position of the step
+    (BlockTrace.step_scores / step_accept).
     """
 
-    def __init__(self, prompt_ids: list[int], k: int = TOPK):
+    def __init__(self, prompt_ids: list[int], k: int = TOPK, acceptance=None):
         self.stream = CommitStream(prompt_ids=list(prompt_ids), blocks=[])
         self.k = k
+        self.acceptance = acceptance
+        self._scores: list[np.ndarray] = []
+        self._accept: list[np.ndarray] = []
         self._argmax: list[np.ndarray] = []
         self._ids: list[np.ndarray] = []
         self._vals: list[np.ndarray] = []
@@ -227,6 +239,10 @@ class TraceRecorder:
         self._ids.append(np.take_along_axis(part, order, axis=-1).astype(np.int32))
         self._vals.append(np.take_along_axis(vals, order, axis=-1).astype(np.float32))
         self._argmax.append(x.argmax(-1).astype(np.int32))
+        if self.acceptance is not None:
+            scores, accepted = self.acceptance(x, len(self._argmax) - 1)
+            self._scores.append(np.asarray(scores, np.float32).reshape(-1))
+            self._accept.append(np.asarray(accepted, bool).reshape(-1))
 
     def commit(self, tokens) -> None:
         n = len(self._argmax)
@@ -238,9 +254,11 @@ class TraceRecorder:
                 step_argmax=np.stack(self._argmax) if n else np.zeros((0, L), np.int32),
                 topk_ids=np.stack(self._ids) if n else np.zeros((0, L, self.k), np.int32),
                 topk_logits=np.stack(self._vals) if n else np.zeros((0, L, self.k), np.float32),
+                step_scores=np.stack(self._scores) if self._scores else None,
+                step_accept=np.stack(self._accept) if self._accept else None,
             )
         )
-        self._argmax, self._ids, self._vals = [], [], []
+        self._argmax, self._ids, self._vals, self._scores, self._accept = [], [], [], [], []
 
 
 REQUIRED = (

@@ -121,6 +121,11 @@ def test_bundle_roundtrip_and_matched_section(conversions, tiny_dg_dir, tmp_path
     s0, s1 = data.original.streams[0], loaded.original.streams[0]
     assert s0.tokens == s1.tokens and s0.steps_per_block == s1.steps_per_block
     np.testing.assert_array_equal(s0.blocks[0].topk_logits, s1.blocks[0].topk_logits)
+    # Each step's entropies and accepted positions (acceptance near-ties) travel too.
+    assert s0.blocks[0].step_scores.shape == s0.blocks[0].step_argmax.shape
+    np.testing.assert_array_equal(s0.blocks[0].step_scores, s1.blocks[0].step_scores)
+    np.testing.assert_array_equal(s0.blocks[0].step_accept, s1.blocks[0].step_accept)
+    assert s1.blocks[0].step_accept.dtype == bool and s1.blocks[0].step_accept[0].any()
     assert loaded.matched is not None and loaded.matched.meta["fingerprint"]
     # The matched section is used (no live torch reference needed) for these exact weights.
     report = run_parity(conversions["q4"], verify_options(bundle=str(out)))

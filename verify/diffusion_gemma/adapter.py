@@ -278,6 +278,31 @@ def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
     return gen
 
 
+def acceptance(settings: dict):
+    """The entropy-bound sampler's statistic and rule, per step, for the trace
+    (protocol.TraceRecorder): the entropy of each position at the step's
+    temperature (the linear schedule, step index 0 at cur_step = N) and the
+    positions whose lower-entropy predecessors sum to at most the bound, as
+    the sampler accepts them (float32 throughout)."""
+    f = np.float32
+    n = int(settings["max_denoising_steps"])
+    t_min, t_max, bound = f(settings["t_min"]), f(settings["t_max"]), f(settings["entropy_bound"])
+
+    def score(logits: np.ndarray, index: int):
+        t = f(t_min + f(t_max - t_min) * (f(n - index) / f(n)))
+        x = np.asarray(logits, np.float32) / t
+        m = x.max(-1, keepdims=True)
+        logp = x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+        entropy = -(np.exp(logp) * logp).sum(-1).astype(np.float32)
+        order = np.argsort(entropy, kind="stable")
+        before = np.cumsum(entropy[order]) - entropy[order]
+        accepted = np.zeros(entropy.shape, bool)
+        accepted[order] = before <= bound
+        return entropy, accepted
+
+    return score
+
+
 def _truncate_at_eos(tokens: list[int], eos: list[int]) -> tuple[list[int], bool]:
     for j, t in enumerate(tokens):
         if t in eos:
@@ -384,6 +409,7 @@ def reference_commit_stream(ref: Reference, prompt, settings: dict) -> CommitStr
     )
     # One recorder per canvas, keyed by the canvas's first decoder position.
     canvases: dict[int, TraceRecorder] = {}
+    scorer = acceptance(settings)
     streamer = _CanvasStreamer()
     real_forward = model.forward
     shadowed = model.__dict__.get("forward")  # an instance-level wrapper to restore
@@ -393,7 +419,8 @@ def reference_commit_stream(ref: Reference, prompt, settings: dict) -> CommitStr
         positions = kwargs.get("decoder_position_ids")
         if kwargs.get("decoder_input_ids") is not None and positions is not None:
             start = int(positions.reshape(-1)[0])
-            canvases.setdefault(start, TraceRecorder(prompt_ids)).step(out.logits[0].float().numpy())
+            canvases.setdefault(start, TraceRecorder(prompt_ids, acceptance=scorer)).step(
+                out.logits[0].float().numpy())
         return out
 
     model.forward = forward
@@ -488,9 +515,11 @@ def mlx_commit_stream(loaded, prompt, settings: dict) -> CommitStream:
     recorders: list[TraceRecorder] = []
     prompt_ids, _ = split_prompt(prompt)
 
+    scorer = acceptance(settings)
+
     def on_step(index, logits, argmax):
         if index == 0:
-            recorders.append(TraceRecorder(prompt_ids))
+            recorders.append(TraceRecorder(prompt_ids, acceptance=scorer))
         recorders[-1].step(np.array(logits[0].astype(mx.float32)))
 
     committed: list[list[int]] = []
