@@ -19,6 +19,7 @@ The bound leaves out the element-wise work over the [canvas, vocab] logits
 pass over them moves, to set against the bandwidth).
 
     .venv/bin/python -m scripts.machine_limits --model .bench/small-f32
+    .venv/bin/python -m scripts.machine_limits --model MODEL --steps 2   # + one timed step against its bound
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import dlm.runtime  # noqa: F401  (loads the optimized BLAS before MLX: dlm.runtime.blas)
@@ -189,11 +191,24 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="a converted DiffusionGemma directory")
     ap.add_argument("--prefix", type=int, default=45, help="prompt tokens before the canvas")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=0,
+                    help="also time one generation of one canvas with this many denoising steps in the same process "
+                         "(the step against the bound)")
     a = ap.parse_args()
     from dlm.runtime import api
 
     loaded = api.load(a.model)
-    print(json.dumps(report(loaded, a.prefix, a.repeats), indent=2))
+    out = report(loaded, a.prefix, a.repeats)
+    if a.steps:
+        from scripts.bench_runtime import run_dlm
+
+        prompt = [2, 105] + [(37 * i + 11) % 90 + 110 for i in range(a.prefix - 5)] + [106, 10, 105]
+        run = run_dlm(loaded, prompt, int(loaded.args.canvas_length), a.steps, 0)
+        step_s = run["gen_seconds"] / run["steps"]
+        out["step"] = {"seconds": round(step_s, 3), "forwards": run["steps"],
+                       "over_bound": round(step_s / out["bound"]["seconds"], 3)}
+    out["command"] = "python -m scripts.machine_limits " + " ".join(sys.argv[1:])
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
