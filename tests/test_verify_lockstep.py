@@ -86,3 +86,45 @@ def test_lockstep_missing_tensor_fails_every_waiting_pass_naming_it():
     with pytest.raises(WeightError, match="layers.2.weight"):
         streamer.lockstep([lambda: model(x), lambda: model(x), lambda: model(x)])
     streamer.close()
+
+
+class _Tied(torch.nn.Module):
+    """Two stacks over the same parameters (as DiffusionGemma's encoder and decoder layers)."""
+
+    def __init__(self, n: int, width: int):
+        super().__init__()
+        self.enc = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(n))
+        self.dec = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(n))
+        for e, d in zip(self.enc, self.dec):
+            d.weight = e.weight
+
+    def forward(self, x, stacks: str):
+        for name in stacks:  # "ed": an encoder pass, then a decoder pass
+            for layer in self.enc if name == "e" else self.dec:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def test_layers_with_the_same_parameters_share_one_load_in_lockstep():
+    """A pass one stack ahead of another (the 'next' case: an extra encoder pass)
+    goes through encoder layer i together with the others' decoder layer i."""
+    n, width = 3, 8
+    rng = np.random.default_rng(1)
+    weights = {f"enc.{i}.weight": rng.standard_normal((width, width)).astype(np.float32) for i in range(n)}
+    whole = _Tied(n, width)
+    whole.load_state_dict({**{k: torch.from_numpy(v) for k, v in weights.items()},
+                           **{k.replace("enc", "dec"): torch.from_numpy(v) for k, v in weights.items()}})
+    with empty_parameters():
+        model = _Tied(n, width)
+    streamer = LayerStreamer(model, MappingSource(weights), torch.float32,
+                             {"enc": list(model.enc), "dec": list(model.dec)})
+    x = torch.randn(2, width)
+    # Prefill + decode, twice, and prefill + committed-canvas encode + decode: without
+    # sharing, 4 stack loads (the second encoder pass waits for the decoder's); with it, 3.
+    plans = ("ed", "ed", "eed")
+    got = streamer.lockstep([lambda p=p: model(x, p) for p in plans])
+    assert streamer.layer_loads == 3 * n
+    with torch.no_grad():
+        for y, plan in zip(got, plans):
+            assert torch.equal(whole(x, plan), y)
+    streamer.close()

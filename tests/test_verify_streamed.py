@@ -78,6 +78,9 @@ def test_streamed_diffusion_gemma_equals_whole_through_bundles(tiny_dg_dir, tiny
     # reads than a decoder pass per case one after the other (6 * 14).
     loads = streamed.original.meta["timings"]["logits_layer_loads"]
     assert loads < 6 * len(streamed.cases)
+    # Encoder layer N is decoder layer N: a 'next' case's committed-canvas encode goes
+    # through with the other cases' decoder pass (5 passes over the 6 layers; 6 apart).
+    assert loads <= 5 * 6 and streamed.matched.meta["timings"]["logits_layer_loads"] <= 5 * 6
     saved = [B.load(B.save(b, tmp_path / name)) for b, name in ((whole, "whole"), (streamed, "streamed"))]
     for a, b in ((whole, streamed), tuple(saved)):
         _assert_same_run(a.original, b.original)

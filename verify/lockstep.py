@@ -23,8 +23,11 @@ from collections.abc import Callable
 
 
 class Lockstep:
-    """The scheduler; ``streamer`` provides ``_materialize(layer_id)`` and
-    ``_order(layer_id)`` (its position in the stacks, for ties)."""
+    """The scheduler; ``streamer`` provides ``_materialize(layer_id)``,
+    ``_order(layer_id)`` (its position in the stacks, for ties) and, optionally,
+    ``_share(layer_id)``: the layer whose load serves it (threads at layers
+    with the same parameters go through together: DiffusionGemma's encoder
+    and decoder layer N)."""
 
     def __init__(self, streamer):
         self.streamer = streamer
@@ -60,7 +63,8 @@ class Lockstep:
         layer most of them wait on and let them in."""
         if self.inside or not self.waiting or len(self.waiting) < len(self.workers):
             return
-        counts = Counter(self.waiting.values())
+        share = getattr(self.streamer, "_share", lambda lid: lid)
+        counts = Counter(share(lid) for lid in self.waiting.values())
         layer = max(counts, key=lambda lid: (counts[lid], -self.streamer._order(lid)))
         try:
             self.streamer._materialize(layer)
@@ -69,7 +73,7 @@ class Lockstep:
             self.cond.notify_all()
             raise
         for thread, lid in list(self.waiting.items()):
-            if lid == layer:
+            if share(lid) == layer:
                 del self.waiting[thread]
                 self.inside.add(thread)
         self.cond.notify_all()

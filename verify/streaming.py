@@ -357,6 +357,10 @@ class LayerStreamer:
                 self._layer_params[id(layer)] = ids
                 self._where[id(layer)] = (stack, i, len(layers))
                 streamed.update(ids)
+        # Layers holding the very same parameters (DiffusionGemma's encoder layer N is its
+        # decoder layer N) share one load: each maps to the first of them.
+        first: dict[frozenset, int] = {}
+        self._shared = {lid: first.setdefault(frozenset(ids), lid) for lid, ids in self._layer_params.items()}
         resident = [pid for pid in self._key if pid not in streamed and self._key[pid] is not None]
         self._where_src = where
         self._put(resident)
@@ -436,8 +440,10 @@ class LayerStreamer:
                 self._pool.setdefault((tuple(live.shape), live.dtype), []).append(live.data)
 
     def _materialize(self, lid: int) -> None:
-        """Make layer ``lid`` the one materialized layer."""
-        if self._current == lid:
+        """Make layer ``lid`` the one materialized layer (no read when the
+        current one holds the same parameters)."""
+        if self._current is not None and self._shared[self._current] == self._shared[lid]:
+            self._current = lid
             return
         if self._current is not None:
             self._release(self._current)
@@ -454,6 +460,10 @@ class LayerStreamer:
 
     def _order(self, lid: int) -> int:
         return self._rank[lid]
+
+    def _share(self, lid: int) -> int:
+        """The layer whose load serves ``lid`` (itself unless it shares parameters)."""
+        return self._shared[lid]
 
     def _before(self, module, args):
         if self._gate is not None and self._gate.owns():
