@@ -10,6 +10,11 @@ Run from the repository root, as a module (it shares code with scripts/ or tests
 
     .venv/bin/python -m scripts.bench_llada2
     .venv/bin/python -m scripts.bench_llada2 --sizes tiny --steps 32 8 --json out.json
+    .venv/bin/python -m scripts.bench_llada2 --sizes release --dtypes f32 q4 --steps 32 --max-tokens 64 --repeats 1
+
+``release`` is the released LLaDA2.0-mini geometry (vocab 157184, hidden 2048, 256 experts top-8, layer 0 dense)
+with ``--release-layers`` (2) layers: a ~3.3 GB bf16 source and a ~6.5 GB float32 conversion, which both tools
+hold in one process (~13 GB).
 
 Metrics per tool:
   committed tok/s   tokens returned that are not mask tokens / wall time of the call
@@ -51,20 +56,33 @@ SIZES = {
                            moe_intermediate_size=64, num_experts=32, num_experts_per_tok=8,
                            n_group=8, topk_group=4)),
 }
+# "release": the released inclusionAI/LLaDA2.0-mini geometry (vocab 157184, hidden 2048, 256 experts top-8 in
+# 8 groups, 1 shared expert; layer 0 dense) with --release-layers layers, random bf16 weights written tensor by
+# tensor (scripts/bench_full_scale.py's builder), converted to float32 / 4-bit.
+SIZES["release"] = (None, None)
 DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4)}
+RELEASE_DTYPES = {"f32": dict(dtype="float32"), "q4": dict(quantize=True, q_bits=4)}
 
 
-def build(work: Path, size: str, dtype: str) -> Path:
+def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
     from dlm.convert.pipeline import ConvertOptions, convert
 
-    geometry, overrides = SIZES[size]
-    hf = work / f"llada2-{size}-hf"
-    if not (hf / "config.json").exists():
-        build_llada2(hf, geometry, **overrides)
-    out = work / f"llada2-{size}-{dtype}"
+    if size == "release":
+        from scripts.bench_full_scale import build_llada2 as build_release
+
+        # ("llada2-mini-": a directory named llada2-1... would read as LLaDA2.1 to the name heuristic.)
+        hf = work / f"llada2-mini-release{release_layers}L-hf"
+        if not (hf / "config.json").exists():
+            build_release(hf, release_layers, seed=0)
+        out, options = work / f"llada2-mini-release{release_layers}L-{dtype}", RELEASE_DTYPES[dtype]
+    else:
+        geometry, overrides = SIZES[size]
+        hf = work / f"llada2-{size}-hf"
+        if not (hf / "config.json").exists():
+            build_llada2(hf, geometry, **overrides)
+        out, options = work / f"llada2-{size}-{dtype}", DTYPES[dtype]
     if not (out / "config.json").exists():
-        convert(ConvertOptions(source=str(hf), output=str(out), progress=False, **DTYPES[dtype]),
-                echo=lambda s: None)
+        convert(ConvertOptions(source=str(hf), output=str(out), progress=False, **options), echo=lambda s: None)
     return out
 
 
@@ -145,6 +163,7 @@ def main():
     ap.add_argument("--work", default=str(ROOT / ".bench"))
     ap.add_argument("--peer", default=str(ROOT / ".peer"))
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--release-layers", type=int, default=2, help="layers of --sizes release (layer 0 is dense)")
     a = ap.parse_args()
 
     import mlx.core as mx
@@ -166,7 +185,7 @@ def main():
     results = []
     for size in a.sizes:
         for dtype in a.dtypes:
-            path = build(work, size, dtype)
+            path = build(work, size, dtype, a.release_layers)
             loaded = api.load(path)
             mask_id = loaded.args.mask_token_id
             vmodel = vlm_load(str(path))[0] if vlm_load is not None else None
