@@ -81,3 +81,11 @@ def test_diffusion_gemma_acceptance_is_the_runtimes_entropy_bound_rule():
         h, accepted = score(logits, index)
         np.testing.assert_allclose(h, np.array(want_h), rtol=1e-5, atol=1e-5)
         assert np.array_equal(accepted, want) and accepted.sum() > 1
+
+
+def test_a_divergence_reports_how_the_logit_gap_grew_step_by_step():
+    ref, mlx = _pair([12.4801, 12.4802, 12.6], [12.4803, 12.4801, 12.6])
+    mlx.blocks[0].topk_logits[0, :, 0] += 1e-4  # step 1: rounding; step 2: the flip
+    rows = check_commit_stream([ref], [mlx], HALF).details["prompts"]
+    assert rows[0]["step_gaps"][0] == pytest.approx(1e-4, rel=1e-2)
+    assert "top-1 logit gap by step 0.0001 → 0" in rows[0]["divergence_text"]

@@ -125,6 +125,9 @@ def _stream_rows(ref: list[CommitStream], mlx: list[CommitStream], tol: float) -
         accept = M.acceptance_tie(r, m, div, tol) if div and not row["near_tie"] else None
         row["acceptance"] = accept
         row["acceptance_tie"] = bool(accept and accept["tied"])
+        row["step_gaps"] = M.step_gaps(r, m, div) if div else []
+        if len(row["step_gaps"]) > 1:
+            row["divergence_text"] += "; top-1 logit gap by step " + " → ".join(f"{g:.2g}" for g in row["step_gaps"])
         if accept:
             row["divergence_text"] += (
                 f"; step {accept['step'] + 1} kept different positions ({accept['flipped']}: "

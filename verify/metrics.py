@@ -284,3 +284,19 @@ def acceptance_tie(ref: CommitStream, mlx: CommitStream, div: Divergence, tolera
                     reference_scores=[float(rb.step_scores[t][p]) for p in flipped[:8]],
                     mlx_scores=[float(mb.step_scores[t][p]) for p in flipped[:8]])
     return None
+
+
+def step_gaps(ref: CommitStream, mlx: CommitStream, div: Divergence) -> list[float]:
+    """Max |Δ| of the top-1 logit (over positions whose argmax agrees) at each
+    step of ``div``'s canvas up to its step: a gap that starts at the compute
+    precision and grows step by step is rounding amplified through the loop's
+    feedback (self-conditioning), one that starts large is not."""
+    if div.step is None or div.block >= min(len(ref.blocks), len(mlx.blocks)):
+        return []
+    rb, mb = ref.blocks[div.block], mlx.blocks[div.block]
+    gaps = []
+    for s in range(min(div.step + 1, rb.steps, mb.steps)):
+        same = rb.step_argmax[s] == mb.step_argmax[s]
+        d = np.abs(rb.topk_logits[s][:, 0] - mb.topk_logits[s][:, 0])[same]
+        gaps.append(float(d.max()) if d.size else float("nan"))
+    return gaps
