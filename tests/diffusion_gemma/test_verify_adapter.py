@@ -80,3 +80,33 @@ def test_adapter_is_found_through_the_registry():
     family = family_for_config({"model_type": "diffusion_gemma"})
     assert family.reference() is R
     check_adapter(R)
+
+
+def test_mlx_logits_cases_of_one_prompt_share_its_prefill(tiny_dg_dir, tiny_dg_mlx_dir):
+    """One MLX prefill serves the logits cases of a prompt (each gets a copy of
+    the encoder cache, and a 'next' case encodes its committed canvas into its
+    own copy); every case's logits equal those of its own fresh prefill, bit
+    for bit, and equal the reference's."""
+    from dlm.runtime import api
+
+    loaded = api.load(tiny_dg_mlx_dir)
+    ref = R.load_reference(tiny_dg_dir)
+    cases = [c for c in R.logit_cases(ref.config, [PROMPT, PROMPT[:6]], ref.generation_config)
+             if "sc_from" not in c.meta]
+    calls = []
+    real = loaded.model.prefill
+    loaded.model.prefill = lambda *a, **k: calls.append(1) or real(*a, **k)
+    R._prefilled.clear()
+    shared = [R.mlx_logits(loaded, c) for c in cases]
+    assert len(calls) == 2  # one per prompt, not one per case
+    fresh = []
+    for c in cases:
+        R._prefilled.clear()
+        fresh.append(R.mlx_logits(loaded, c))
+    for c, a, b in zip(cases, shared, fresh):
+        assert np.array_equal(a, b), c.name
+        assert np.abs(a - R.reference_logits(ref, c, {})).max() < 1e-4, c.name
+    # A case collecting per-layer hidden states runs its own prefill.
+    collect: dict = {}
+    R.mlx_logits(loaded, cases[0], collect)
+    assert len(calls) == 2 + len(cases) + 1 and collect["encoder"]
