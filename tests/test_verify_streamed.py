@@ -82,6 +82,10 @@ def test_streamed_diffusion_gemma_equals_whole_through_bundles(tiny_dg_dir, tiny
     # through with the other cases' decoder pass (5 passes over the 6 layers; 6 apart).
     assert loads <= 5 * 6 and streamed.matched.meta["timings"]["logits_layer_loads"] <= 5 * 6
     saved = [B.load(B.save(b, tmp_path / name)) for b, name in ((whole, "whole"), (streamed, "streamed"))]
+    # A recorded bundle carries each reference phase's resident peak.
+    assert saved[1].original.meta["rss_gb"]["reference: logits"]["peak"] > 0
+    assert set(saved[1].matched.meta["rss_gb"]) == {"reference (MLX weights): logits",
+                                                     "reference (MLX weights): commit streams"}
     for a, b in ((whole, streamed), tuple(saved)):
         _assert_same_run(a.original, b.original)
         _assert_same_run(a.matched, b.matched)

@@ -200,7 +200,18 @@ def _stream_indices(n_prompts: int, stream_prompts: Optional[int]) -> list[int]:
 
 def record(reference: str, options: Options, mlx_dir: Optional[Path] = None,
            expect_family: Optional[str] = None) -> B.Bundle:
-    """Run the PyTorch reference on the suite's cases and streams."""
+    """Run the PyTorch reference on the suite's cases and streams; each run's
+    meta gets the peak resident memory of its phases (``rss_gb``)."""
+    with M.monitoring() as monitor:
+        bundle = _record(reference, options, mlx_dir, expect_family)
+        rss = monitor.summary()
+    for run, label in ((bundle.original, "reference:"), (bundle.matched, "reference (MLX weights):")):
+        if run is not None:
+            run.meta["rss_gb"] = {k: v for k, v in rss.items() if k.startswith(label)}
+    return bundle
+
+
+def _record(reference: str, options: Options, mlx_dir: Optional[Path], expect_family: Optional[str]) -> B.Bundle:
     import torch  # noqa: F401  (clear ImportError before any work)
 
     from .prompts import suite_prompts
