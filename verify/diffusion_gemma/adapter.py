@@ -286,10 +286,12 @@ def acceptance(settings: dict):
     the sampler accepts them (float32 throughout)."""
     f = np.float32
     n = int(settings["max_denoising_steps"])
-    t_min, t_max, bound = f(settings["t_min"]), f(settings["t_max"]), f(settings["entropy_bound"])
+    bound = f(settings["entropy_bound"])
+    schedule = settings.get("t_min") is not None and settings.get("t_max") is not None  # else T = 1
+    t_min, t_max = (f(settings["t_min"]), f(settings["t_max"])) if schedule else (f(1), f(1))
 
     def score(logits: np.ndarray, index: int):
-        t = f(t_min + f(t_max - t_min) * (f(n - index) / f(n)))
+        t = f(t_min + f(t_max - t_min) * (f(n - index) / f(n))) if schedule else f(1)
         x = np.asarray(logits, np.float32) / t
         m = x.max(-1, keepdims=True)
         logp = x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
