@@ -276,23 +276,28 @@ def load() -> str:
 
 PROBE = (
     "import json, resource, subprocess, sys, time\n"
-    "out, err = open(sys.argv[1], 'w'), open(sys.argv[2], 'w')\n"
+    "timeout = float(sys.argv[1]) if sys.argv[1] else None\n"
+    "out, err = open(sys.argv[2], 'w'), open(sys.argv[3], 'w')\n"
     "t = time.perf_counter()\n"
-    "rc = subprocess.run(sys.argv[3:], stdout=out, stderr=err).returncode\n"
+    "try:\n"
+    "    rc = subprocess.run(sys.argv[4:], stdout=out, stderr=err, timeout=timeout).returncode\n"
+    "except subprocess.TimeoutExpired:\n"
+    "    rc = 'timeout'\n"
     "wall = time.perf_counter() - t\n"
     "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
     "print(json.dumps({'rc': rc, 'wall_s': wall, 'peak_rss_gb': rss * 1024 / 1e9}))\n"
 )
 
 
-def measure(cmd: list[str], logs: Path, label: str) -> dict:
+def measure(cmd: list[str], logs: Path, label: str, env: dict | None = None, timeout: float | None = None) -> dict:
     """Run ``cmd`` under a fresh intermediate process (its RUSAGE_CHILDREN maxrss is the command's peak
-    RSS), stdout/stderr to ``logs/label.{out,err}``."""
+    RSS), stdout/stderr to ``logs/label.{out,err}``; rc ``"timeout"`` when it ran past ``timeout`` s."""
+    logs.mkdir(parents=True, exist_ok=True)
     out, err = logs / f"{label}.out", logs / f"{label}.err"
     print(f"[{time.strftime('%H:%M:%S')}] {label}: {' '.join(cmd)}  (MemAvailable {mem_available_gb():.1f} GB, "
           f"load {load()})", flush=True)
-    res = subprocess.run([sys.executable, "-c", PROBE, str(out), str(err), *cmd], capture_output=True, text=True,
-                         check=False)
+    res = subprocess.run([sys.executable, "-c", PROBE, "" if timeout is None else str(timeout), str(out), str(err),
+                          *cmd], capture_output=True, text=True, env=env, check=False)
     try:
         r = json.loads(res.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -301,7 +306,7 @@ def measure(cmd: list[str], logs: Path, label: str) -> dict:
     if r["rc"]:
         tail = err.read_text(errors="replace").strip().splitlines()[-15:] if err.exists() else []
         r["error_tail"] = tail
-        if r["rc"] < 0:
+        if isinstance(r["rc"], int) and r["rc"] < 0:
             r["signal"] = -r["rc"]
             if r["rc"] == -9:
                 r["note"] = "killed by SIGKILL (the kernel's OOM killer, most likely)"

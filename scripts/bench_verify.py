@@ -43,17 +43,6 @@ SETUPS = {
     "before": {"DLM_BLAS": "reference", "DLM_COMPUTE_DTYPE": "native"},
     "after": {},
 }
-PROBE = (
-    "import json, resource, subprocess, sys, time\n"
-    "t = time.perf_counter()\n"
-    "try:\n"
-    "    rc = subprocess.run(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,\n"
-    "                        timeout=float(sys.argv[1])).returncode\n"
-    "except subprocess.TimeoutExpired:\n"
-    "    rc = 'timeout'\n"
-    "print(json.dumps({'rc': rc, 'wall_s': time.perf_counter() - t,\n"
-    "                  'peak_rss_gb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9}))\n"
-)
 
 
 def demo(work: Path) -> list[str]:
@@ -101,7 +90,10 @@ def old_tree(rev: str, work: Path) -> Path:
     return shim
 
 
-def run(args: list[str], setup: str, timeout: float, before: Path | None = None) -> dict:
+def run(args: list[str], setup: str, timeout: float, logs: Path, label: str, before: Path | None = None) -> dict:
+    """One ``dlm-verify`` in its own process (bench_full_scale.measure: wall, peak RSS, logs in ``logs``)."""
+    from scripts.bench_full_scale import measure
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [str(BIN / "dlm-verify")]
     if setup == "before" and before is not None:
@@ -109,9 +101,8 @@ def run(args: list[str], setup: str, timeout: float, before: Path | None = None)
         cmd = [sys.executable, "-c", CLI]
     else:
         env.update(SETUPS[setup])
-    res = subprocess.run([sys.executable, "-c", PROBE, str(timeout), *cmd, *args],
-                         capture_output=True, text=True, env=env, check=False)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    r = measure(cmd + args, logs, label, env=env, timeout=timeout)
+    return {k: r[k] for k in ("rc", "wall_s", "peak_rss_gb")}
 
 
 def main() -> None:
@@ -131,9 +122,9 @@ def main() -> None:
     for name in a.models:
         args = MODELS[name](work)
         runs: dict[str, list[dict]] = {s: [] for s in a.setups}
-        for _ in range(a.repeats):
+        for i in range(a.repeats):
             for setup in a.setups:
-                r = run(args, setup, a.timeout, before)
+                r = run(args, setup, a.timeout, work / "logs", f"{name}-{setup}-{i}", before)
                 runs[setup].append(r)
                 print(json.dumps({"model": name, "setup": setup, **r}), flush=True)
         row = {"model": name}
