@@ -60,6 +60,38 @@ def test_debug_canvas_replaces_every_draw_in_order(ref):
     assert torch.randint(0, 5, (3,)).shape == (3,)  # the patch is gone
 
 
+def test_trace_records_the_positions_transformers_keeps(ref):
+    """The trace's per-step accepted positions (adapter.acceptance: the runtime's
+    entropy-bound rule on the recorded logits) are the ones transformers'
+    sampler kept: the next step's canvas holds this step's argmax exactly there
+    (positions where the renoise pattern happens to equal the argmax say
+    nothing and are skipped)."""
+    settings = R.stream_settings(ref.config, ref.generation_config, blocks=1, steps=6)
+    # A bound that keeps a few positions a step (entropies here ~6 nats): the count depends on the
+    # rule's cumulative sum.
+    settings["entropy_bound"] = 13.0
+    L, V = R._canvas_length(ref.config), R._vocab(ref.config)
+    canvases = []
+    real = ref.model.forward
+
+    def spy(*args, **kwargs):
+        canvases.append(kwargs["decoder_input_ids"][0].numpy().copy())
+        return real(*args, **kwargs)
+
+    ref.model.forward = spy
+    try:
+        block = R.reference_commit_stream(ref, PROMPT, settings).blocks[0]
+    finally:
+        del ref.model.forward
+    assert block.step_accept is not None and block.step_scores.shape == block.step_argmax.shape
+    assert block.step_accept.sum(-1).max() > 1  # the cumulative rule, not only the argmin
+    for t in range(block.steps - 1):
+        noise = R.debug_pattern(t + 1, L, V)
+        telling = noise != block.step_argmax[t]
+        kept = canvases[t + 1] == block.step_argmax[t]
+        np.testing.assert_array_equal(block.step_accept[t][telling], kept[telling])
+
+
 def test_self_conditioning_inputs_keep_top_probabilities():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 300)).astype(np.float32) * 3

@@ -280,27 +280,22 @@ def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
 
 def acceptance(settings: dict):
     """The entropy-bound sampler's statistic and rule, per step, for the trace
-    (protocol.TraceRecorder): the entropy of each position at the step's
-    temperature (the linear schedule, step index 0 at cur_step = N) and the
-    positions whose lower-entropy predecessors sum to at most the bound, as
-    the sampler accepts them (float32 throughout)."""
-    f = np.float32
-    n = int(settings["max_denoising_steps"])
-    bound = f(settings["entropy_bound"])
-    schedule = settings.get("t_min") is not None and settings.get("t_max") is not None  # else T = 1
-    t_min, t_max = (f(settings["t_min"]), f(settings["t_max"])) if schedule else (f(1), f(1))
+    (protocol.TraceRecorder): the runtime's own ``token_entropy`` of the logits
+    at the step's scheduled temperature (step index 0 at cur_step = N; T = 1
+    without a schedule) and ``entropy_bound_accept``. Applied to each
+    framework's recorded logits alike, so a difference in what they keep comes
+    from their logits, not from the rule."""
+    import mlx.core as mx
+
+    from dlm.runtime.models.diffusion_gemma import sampling as S
+
+    n, bound = int(settings["max_denoising_steps"]), float(settings["entropy_bound"])
+    t_min, t_max = settings.get("t_min"), settings.get("t_max")
 
     def score(logits: np.ndarray, index: int):
-        t = f(t_min + f(t_max - t_min) * (f(n - index) / f(n))) if schedule else f(1)
-        x = np.asarray(logits, np.float32) / t
-        m = x.max(-1, keepdims=True)
-        logp = x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
-        entropy = -(np.exp(logp) * logp).sum(-1).astype(np.float32)
-        order = np.argsort(entropy, kind="stable")
-        before = np.cumsum(entropy[order]) - entropy[order]
-        accepted = np.zeros(entropy.shape, bool)
-        accepted[order] = before <= bound
-        return entropy, accepted
+        t = S.linear_temperature(n - index, n, t_min, t_max) if t_min is not None and t_max is not None else 1.0
+        entropy = S.token_entropy(mx.array(logits) / mx.array(t, dtype=mx.float32))
+        return np.array(entropy), np.array(S.entropy_bound_accept(entropy, bound))
 
     return score
 
