@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 class Lockstep:
     """The scheduler; ``streamer`` provides ``_materialize(layer_id)``,
-    ``_order(layer_id)`` (its position in the stacks, for ties) and, optionally,
+    ``_order(layer_id)`` (its position in the stacks, for ties) and
     ``_share(layer_id)``: the layer whose load serves it (threads at layers
     with the same parameters go through together: DiffusionGemma's encoder
     and decoder layer N)."""
@@ -63,7 +63,7 @@ class Lockstep:
         layer most of them wait on and let them in."""
         if self.inside or not self.waiting or len(self.waiting) < len(self.workers):
             return
-        share = getattr(self.streamer, "_share", lambda lid: lid)
+        share = self.streamer._share
         counts = Counter(share(lid) for lid in self.waiting.values())
         layer = max(counts, key=lambda lid: (counts[lid], -self.streamer._order(lid)))
         try:
