@@ -142,3 +142,10 @@ def test_mlx_logits_cases_of_one_prompt_share_its_prefill(tiny_dg_dir, tiny_dg_m
     collect: dict = {}
     R.mlx_logits(loaded, cases[0], collect)
     assert len(calls) == 2 + len(cases) + 1 and collect["encoder"]
+    # The held cache goes when the model does (dlm-verify releases it before the same-weights reference).
+    import gc
+
+    del real  # (the spy's bound method)
+    loaded.model = None
+    gc.collect()
+    assert not R._prefilled
