@@ -12,8 +12,9 @@ a layer's worth of tensors on every layer; glibc keeps tensors under its mmap
 threshold (up to 32 MB, e.g. LLaDA-2's per-expert matrices) in per-thread
 arenas and returns little of that to the system, and lockstep passes
 (``lockstep.py``) load layers from several threads, so each thread's arena can
-end up holding a layer. ``malloc_trim`` releases the free pages of every arena.
-Elsewhere (macOS, musl) it does nothing.
+end up holding a layer. ``malloc_trim`` releases the free pages of every arena
+(4–62 ms after a thread freed 1.2 GB of 4 MB arrays, next to seconds of
+reading a layer). Elsewhere (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations
