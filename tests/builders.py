@@ -551,7 +551,7 @@ def dequantized_twin(src_dir, out_dir) -> Path:
 # Drift thresholds are meant for real checkpoints; a random tiny model is
 # chaotic (near-uniform logits, routing flips), so they are informational here.
 TINY_DRIFT = {"drift": {"kl_mean": None, "top1": None, "commit_match": None, "steps_ratio": None}}
-FAST_VERIFY = dict(canvases=2, steps=8, stream_prompts=1, progress=False)
+FAST_VERIFY = dict(logits_prompts=None, canvases=2, steps=8, stream_prompts=1, progress=False)
 
 
 def verify_options(**kw):

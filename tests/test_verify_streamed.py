@@ -140,7 +140,8 @@ def test_streamed_llada2_equals_whole_and_remote_code(tiny_llada2_mlx_dir, tmp_p
 
 def test_cli_stream_layers_uses_the_streamed_budget(tiny_llada2_mlx_dir, tmp_path, monkeypatch):
     """--stream-layers: both references stream, and unset budgets take the
-    streamed defaults (1 canvas of at most 8 steps, 1 prompt); the report
+    streamed defaults (logits cases for 1 prompt, 1 canvas of at most 4 steps
+    for 1 prompt; dlm.verify.budget); the report
     records the modes and per-phase timings."""
     _run_the_same_weights_reference(monkeypatch)
     from click.testing import CliRunner
@@ -154,7 +155,8 @@ def test_cli_stream_layers_uses_the_streamed_budget(tiny_llada2_mlx_dir, tmp_pat
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
     assert doc["streaming"]["reference"] == doc["streaming"]["implementation"] == "streamed"
-    assert doc["settings"]["max_denoising_steps"] == 8 and doc["settings"]["stream_prompts"] == 1
+    assert doc["settings"]["max_denoising_steps"] == 4 and doc["settings"]["stream_prompts"] == 1
+    assert doc["prompts"] == 1 and doc["cases"] == 3  # LLaDA-2: first step, later step, bidirectional
     assert doc["settings"]["max_new_tokens"] == 32  # one block of 32
     assert doc["timings"]["reference"]["stream_forwards"] > 0 and "load" in doc["timings"]["implementation"]
     assert "s/forward" in result.output and "layer by layer" in result.output

@@ -292,6 +292,21 @@ def test_reference_from_the_hf_cache_offline(tiny_dg_dir, tmp_path, monkeypatch)
         record("tiny-org/absent", Options(reference="tiny-org/absent", progress=False))
 
 
+def test_logits_prompts_keeps_the_first_prompts_in_order(tiny_dg_dir, tmp_path):
+    """--logits-prompts N: logits cases for the first N prompts (the file's,
+    then the built-ins, then the long one), whatever the mode."""
+    from dlm.verify.prompts import BUILTIN
+    from dlm.verify.suite import Options, record
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('{"ids": [2, 30, 31, 32, 33]}\n')
+    data = record(str(tiny_dg_dir), Options(reference=str(tiny_dg_dir), prompts_file=str(prompts), long_prompt=False,
+                                            logits_prompts=2, stream_prompts=0, progress=False))
+    assert len(data.prompts) == 2 and data.prompts[0] == [2, 30, 31, 32, 33]
+    assert data.prompts[1] != data.prompts[0] and len(BUILTIN) > 1
+    assert sorted({c.name.split(".")[0] for c in data.cases}) == ["p0", "p1"]
+
+
 def test_drift_check_flags_extra_denoising_steps():
     """Quantized logits that make the entropy-bound sampler run longer (field
     notes §6.1) fail the drift check on steps per canvas."""

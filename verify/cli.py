@@ -18,6 +18,7 @@ import click
 from dlm.runtime.console import Group
 from dlm.runtime.errors import DlmError
 
+from .budget import BUDGET, budget_help
 from .protocol import REFERENCE_DTYPES
 
 
@@ -40,13 +41,8 @@ def _common(f):
         click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False),
                      help="Extra prompts: one per line, plain text or JSON {prompt|messages|ids}."),
         click.option("--no-builtin-prompts", is_flag=True, help="Use only --prompts."),
-        click.option("--canvases", type=click.IntRange(1), default=None,
-                     help="Canvases per commit stream [default: 2; 1 when layer-streamed]."),
-        click.option("--steps", type=click.IntRange(1), default=None,
-                     help="Max denoising steps per canvas in commit streams [default: generation_config; "
-                     "8 when layer-streamed]."),
-        click.option("--stream-prompts", type=click.IntRange(0), default=None,
-                     help="How many prompts get a commit stream [default: 2; 1 when layer-streamed]."),
+        *(click.option(f"--{b.name.replace('_', '-')}", type=click.IntRange(b.minimum), default=None,
+                       help=budget_help(b)) for b in BUDGET),
         click.option("--stream-layers/--no-stream-layers", default=None,
                      help="Run the PyTorch reference layer by layer, each layer's weights read from disk "
                      "for every forward pass (peak memory flat in depth) [default: when a whole-model run "
@@ -77,10 +73,9 @@ def _setup(torch_threads, quiet) -> bool:
     return not quiet  # a bar on a terminal, plain lines otherwise (suite._tqdm)
 
 
-def _budget(canvases, steps, stream_prompts) -> dict:
-    """The commit-stream budget options: unset ones stay "auto" (the mode's default)."""
-    given = dict(canvases=canvases, steps=steps, stream_prompts=stream_prompts)
-    return {k: ("auto" if v is None else v) for k, v in given.items()}
+def _budget(given: dict) -> dict:
+    """The budget options (dlm.verify.budget): unset ones stay "auto" (the mode's default)."""
+    return {b.name: "auto" if given.get(b.name) is None else given[b.name] for b in BUDGET}
 
 
 def _fail(exc: Exception, code: int = 2):
@@ -110,8 +105,8 @@ def _fail(exc: Exception, code: int = 2):
 @_common
 @click.pass_context
 def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo, thresholds, no_implementation,
-         trace_dir, revision, reference_dtype, prompts_file, no_builtin_prompts, canvases, steps, stream_prompts,
-         stream_layers, no_images, trust_remote_code, torch_threads, quiet):
+         trace_dir, revision, reference_dtype, prompts_file, no_builtin_prompts, stream_layers, no_images,
+         trust_remote_code, torch_threads, quiet, **budget):
     """Check a converted MLX model against its PyTorch reference (logits,
     implementation parity, quantization drift, debug-canvas commit streams;
     with a vision tower also the same on built-in images).
@@ -148,7 +143,7 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
         options = Options(
             reference=reference, revision=revision, reference_dtype=reference_dtype,
             prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, bundle=bundle,
-            **_budget(canvases, steps, stream_prompts), stream_layers=stream_layers,
+            **_budget(budget), stream_layers=stream_layers,
             implementation=not no_implementation, images=not no_images, trust_remote_code=trust_remote_code,
             thresholds=load_overrides(thresholds), progress=progress, trace_dir=trace_dir,
         )
@@ -188,7 +183,7 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
               "(implementation parity without torch later).")
 @_common
 def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, no_builtin_prompts,
-           canvases, steps, stream_prompts, stream_layers, no_images, trust_remote_code, torch_threads, quiet):
+           stream_layers, no_images, trust_remote_code, torch_threads, quiet, **budget):
     """Record reference logits and commit streams into a bundle (needs torch
     and the original weights; the comparison later needs neither)."""
 
@@ -210,7 +205,7 @@ def record(reference, output, mlx_dir, revision, reference_dtype, prompts_file, 
         options = Options(
             reference=reference, revision=revision, reference_dtype=reference_dtype,
             prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts,
-            **_budget(canvases, steps, stream_prompts), stream_layers=stream_layers, images=not no_images,
+            **_budget(budget), stream_layers=stream_layers, images=not no_images,
             trust_remote_code=trust_remote_code, progress=progress,
         )
         data = run_record(reference, options, Path(mlx_dir) if mlx_dir else None)

@@ -50,10 +50,6 @@ from .progress import LayerBar
 # dequantized weights: ``whole_parts``) would take more than this share of the
 # memory budget (dlm.runtime.memory.budget_bytes).
 AUTO_FRACTION = 0.5
-# Commit-stream budget of a streamed run when the user sets none: every
-# denoising step reads all layers from disk.
-STREAMED_BUDGET = {"canvases": 1, "steps": 8, "stream_prompts": 1}
-WHOLE_BUDGET = {"canvases": 2, "steps": None, "stream_prompts": 2}
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

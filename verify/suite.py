@@ -37,6 +37,7 @@ from . import checks as C
 from . import layers as L
 from . import memory as M
 from . import streaming as S
+from .budget import STREAMED_BUDGET, WHOLE_BUDGET
 from .store import ArrayStore
 from . import weights as W
 from . import image_suite as I
@@ -55,9 +56,9 @@ class Options:
     builtin_prompts: bool = True
     long_prompt: bool = True  # a built-in prompt longer than the sliding window
     bundle: Optional[str] = None
-    # Commit-stream budget; AUTO: 2 canvases, generation_config steps, 2 prompts,
-    # or, for a layer-streamed reference, 1 canvas of at most 8 steps, 1 prompt
-    # (streaming.STREAMED_BUDGET: every step reads every layer from disk).
+    # Budget (dlm.verify.budget); AUTO: the mode's default, smaller for a
+    # layer-streamed reference (every forward reads every layer from disk).
+    logits_prompts: Union[int, None, str] = "auto"  # prompts that get logits cases (None: all)
     canvases: Union[int, str] = "auto"  # canvases per commit stream
     steps: Union[int, None, str] = "auto"  # max denoising steps per canvas (None: generation_config)
     stream_prompts: Union[int, None, str] = "auto"  # prompts that get commit streams (None: all)
@@ -101,8 +102,8 @@ AUTO = "auto"
 
 
 def _budget(options: Options, streamed: bool) -> dict:
-    """The commit-stream budget: what the user set, else the mode's default."""
-    default = S.STREAMED_BUDGET if streamed else S.WHOLE_BUDGET
+    """The suite's budget (dlm.verify.budget): what the user set, else the mode's default."""
+    default = STREAMED_BUDGET if streamed else WHOLE_BUDGET
     return {k: default[k] if getattr(options, k) == AUTO else getattr(options, k) for k in default}
 
 
@@ -230,11 +231,11 @@ def _record(reference: str, options: Options, mlx_dir: Optional[Path], expect_fa
     load_s = time.perf_counter() - t
     generation_config = getattr(ref, "generation_config", None) or {}
     window = _sliding_window(config)
+    budget = _budget(options, streamed)
     prompts = suite_prompts(ref_path, options.prompts_file, builtin=options.builtin_prompts,
                             long_prompt_tokens=window if options.long_prompt else None,
-                            trust_remote_code=options.trust_remote_code)
+                            trust_remote_code=options.trust_remote_code)[:budget["logits_prompts"]]
     cases = adapter.logit_cases(config, prompts, generation_config)
-    budget = _budget(options, streamed)
     settings = adapter.stream_settings(config, generation_config, blocks=budget["canvases"], steps=budget["steps"])
     stream_idx = _stream_indices(len(prompts), budget["stream_prompts"])
     budgeted = Options(**{**options.__dict__, **budget})
