@@ -61,6 +61,7 @@ import traceback
 from pathlib import Path
 
 from dlm.runtime import blas  # importing dlm.runtime loads the optimized BLAS before anything imports MLX
+from scripts.peer import load_mlx_vlm
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -459,14 +460,7 @@ def main():
 
     import mlx.core as mx
 
-    sys.path.append(a.peer)
-    try:
-        import mlx_vlm
-        from mlx_vlm import load as vlm_load
-        vlm_version = getattr(mlx_vlm, "__version__", "?")
-    except Exception as exc:  # pragma: no cover - depends on the machine
-        print(f"mlx-vlm unavailable ({exc}); timing dlm only", file=sys.stderr)
-        vlm_load, vlm_version = None, None
+    vlm_load, vlm_version = load_mlx_vlm(a.peer)
 
     width, height = (int(x) for x in a.image_size.lower().split("x"))
     image = picture(width, height)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from scripts import machine_limits
 from tests.builders import build_diffusion_gemma, convert_dir
+from scripts.peer import load_mlx_vlm
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -153,14 +154,7 @@ def main():
 
     from dlm.runtime import api
 
-    sys.path.append(a.peer)
-    try:
-        import mlx_vlm
-        from mlx_vlm import load as vlm_load
-        vlm_version = getattr(mlx_vlm, "__version__", "?")
-    except Exception as exc:  # pragma: no cover - depends on the machine
-        print(f"mlx-vlm unavailable ({exc}); timing dlm only", file=sys.stderr)
-        vlm_load, vlm_version = None, None
+    vlm_load, vlm_version = load_mlx_vlm(a.peer)
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,21 @@
+"""mlx-vlm, the peer the benchmarks compare with: installed outside the
+environment (``pip install --no-deps --target .peer mlx-vlm==0.7.10 ...``, see
+README "Benchmarks") so dlm's own dependencies stay as pinned."""
+
+from __future__ import annotations
+
+import sys
+
+
+def load_mlx_vlm(peer_dir: str):
+    """``(mlx_vlm.load, its version)`` from ``peer_dir``, or ``(None, None)``
+    with a line on stderr when it is not installed there (dlm is timed alone)."""
+    if peer_dir not in sys.path:
+        sys.path.append(peer_dir)
+    try:
+        import mlx_vlm
+        from mlx_vlm import load
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        print(f"mlx-vlm unavailable ({exc}); timing dlm only", file=sys.stderr)
+        return None, None
+    return load, getattr(mlx_vlm, "__version__", "?")
