@@ -168,7 +168,7 @@ def evaluate(model, data: Data, digits_list: list[str]):
     """Held-out accuracy with the reference generate (greedy fix, dlm early block stop)."""
     import torch
 
-    from dlm.verify.llada2_moe.torch_model import generate
+    from dlm.verify.llada2_moe.torch_generate import generate
 
     gc = generation_config()
     model.eval()

@@ -240,7 +240,8 @@ def test_llada2_reference_solves_held_out_prompts_with_several_tokens_per_forwar
     import torch
     from transformers import PreTrainedTokenizerFast
 
-    from dlm.verify.llada2_moe.torch_model import generate, load_reference
+    from dlm.verify.llada2_moe.torch_generate import generate
+    from dlm.verify.llada2_moe.torch_model import load_reference
 
     torch.set_num_threads(1)
     model = load_reference(LL)

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime.cli import main
-from dlm.verify.llada2_moe import torch_model as R
+from dlm.verify.llada2_moe import torch_generate as RG
 from tests.builders import LLADA2_EOS_ID, LLADA2_MASK_ID, LLADA2_ROLE_END_ID, build_llada2
 
 torch.set_num_threads(1)
@@ -34,7 +34,7 @@ def test_generate_json_matches_reference(converted):
                "--max-denoising-steps", "4", "--threshold", "0.9", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output.strip().splitlines()[-1])
-    want = R.generate(ref, torch.tensor(ids), block_length=8, steps=4, gen_length=30, threshold=0.9,
+    want = RG.generate(ref, torch.tensor(ids), block_length=8, steps=4, gen_length=30, threshold=0.9,
                       eos_id=[LLADA2_EOS_ID, LLADA2_ROLE_END_ID], mask_id=LLADA2_MASK_ID, hub_sampler=False,
                       suppress_mask=True).tolist()
     assert out["token_ids"] == [t for t in want if t not in (LLADA2_EOS_ID, LLADA2_ROLE_END_ID)]

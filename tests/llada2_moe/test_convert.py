@@ -12,7 +12,7 @@ from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
 from dlm.runtime.errors import ConfigError, WeightError
 from dlm.runtime.models.llada2_moe import to_hf
-from dlm.verify.llada2_moe import torch_model as R
+from dlm.verify.llada2_moe import torch_generate as RG
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.weights import dequantized_weights
 from tests.builders import (
@@ -82,7 +82,7 @@ def test_float_conversion_stacks_experts_and_matches_reference(hub, tmp_path):
     want = ref(torch.tensor([ids]))[0].numpy()
     assert np.abs(_logits(loaded, ids) - want).max() < 1e-4
     result = api.generate(loaded, ids, {"max_tokens": 40, "block_length": 16, "threshold": 0.9})
-    expect = R.generate(ref, torch.tensor(ids), block_length=16, steps=32, gen_length=40, threshold=0.9,
+    expect = RG.generate(ref, torch.tensor(ids), block_length=16, steps=32, gen_length=40, threshold=0.9,
                         eos_id=[LLADA2_EOS_ID, LLADA2_ROLE_END_ID], mask_id=LLADA2_MASK_ID, hub_sampler=False,
                         suppress_mask=True).tolist()
     assert result.token_ids == [t for t in expect if t not in (LLADA2_EOS_ID, LLADA2_ROLE_END_ID)]

@@ -7,7 +7,7 @@ import torch
 from dlm.runtime.models.llada2_moe import generate as G
 from dlm.runtime.errors import GenerationError
 from dlm.runtime.loader import load
-from dlm.verify.llada2_moe import torch_model as R
+from dlm.verify.llada2_moe import torch_generate as RG
 from tests.builders import LLADA2_EOS_ID, LLADA2_GEOMETRIES, LLADA2_MASK_ID, LLADA2_ROLE_END_ID, build_llada2
 
 torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def run_mlx(loaded, ids, s):
 def run_ref(ref, ids, *, gen, bl, steps, thr, temp=0.0, hub=False, seed=None, eos=(LLADA2_EOS_ID,),
             early_stop=False, **kw):
     trace = []
-    out = R.generate(
+    out = RG.generate(
         ref, torch.tensor(ids), temperature=temp, block_length=bl, steps=steps, gen_length=gen,
         threshold=thr, eos_id=list(eos), mask_id=LLADA2_MASK_ID, hub_sampler=hub,
         uniforms=G.UniformStream(seed) if seed is not None else None, suppress_mask=True,
@@ -312,4 +312,4 @@ def test_transfer_quota():
     assert G.transfer_quota(32, 8) == [4] * 8
     assert G.transfer_quota(32, 12) == [3] * 8 + [2] * 4
     assert G.transfer_quota(8, 12) == [1] * 8 + [0] * 4
-    assert G.transfer_quota(32, 12) == R.transfer_quota(32, 12)
+    assert G.transfer_quota(32, 12) == RG.transfer_quota(32, 12)

@@ -301,7 +301,7 @@ def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dic
 
     from dlm.runtime.models.llada2_moe.sampling import UniformStream
 
-    from .torch_model import generate
+    from .torch_generate import generate
 
     def one(run):
         recorders: dict[int, TraceRecorder] = {}

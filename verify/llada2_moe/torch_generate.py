@@ -1,0 +1,249 @@
+"""The hub 2.0 ``generate()`` (§4) and LLaDA2.1 draft-and-edit decoding (§6.3), in PyTorch.
+
+Written from ../shared/reference/llada2_moe.md for the reference model in
+``torch_model``; it reproduces the hub algorithm exactly (including its
+temperature-0 sampling bug when ``hub_sampler=True``), with the hooks the parity
+suite needs: a shared uniform stream (inverse-CDF sampling, so MLX and torch
+draw the same samples), a commit trace, the fixed greedy sampler, a linear
+threshold schedule and editing. Written apart from dlm.runtime's loop on purpose.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .torch_model import EOS_ID, MASK_ID, LLaDA2Reference, block_causal_mask
+
+
+def transfer_quota(block_length: int, steps: int) -> list[int]:
+    """Tokens each step must commit at least: bl // steps, remainder first."""
+    if steps <= 0:
+        return []
+    base, extra = divmod(block_length, steps)
+    return [base + (1 if s < extra else 0) for s in range(steps)]
+
+
+def linear_threshold(threshold: float, minimum: Optional[float], step: int, steps: int) -> float:
+    if minimum is None:
+        return threshold
+    return threshold - (threshold - minimum) * step / max(1, steps - 1)
+
+
+def filter_logits(logits: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
+    """Hub top-k (ties kept) and top-p (exclusive cumulative mass > p dropped)."""
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+        drop_sorted = (cum - F.softmax(sorted_logits, dim=-1)) > top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of the first token whose cumulative probability exceeds u·total."""
+    cdf = torch.cumsum(probs, dim=-1)
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k=None,
+    top_p=None,
+    *,
+    hub_sampler: bool = True,
+    uniforms: Optional[Callable[[int], Iterable[float]]] = None,
+):
+    """(tokens, confidences) for [n, V] float32 logits.
+
+    hub_sampler=True is the 2.0 hub code: temperature 0 (or 1) leaves the logits
+    unchanged and still samples.  hub_sampler=False is the greedy fix: at
+    temperature 0, argmax with the unfiltered softmax probability.
+    ``uniforms(n)`` replaces torch.multinomial by inverse-CDF sampling on a
+    shared uniform stream.
+    """
+    logits = logits.float()
+    if not hub_sampler and temperature == 0:
+        probs = F.softmax(logits, dim=-1)
+        tok = logits.argmax(-1)
+        return tok, probs.gather(-1, tok[:, None])[:, 0]
+    if temperature > 0 and temperature != 1:
+        logits = logits / temperature
+    probs = F.softmax(filter_logits(logits, top_k, top_p), dim=-1)
+    if uniforms is None:
+        tok = torch.multinomial(probs, num_samples=1)[:, 0]
+    else:
+        u = torch.as_tensor(list(uniforms(probs.shape[0])), dtype=torch.float32)
+        tok = inverse_cdf(probs, u)
+    return tok, probs.gather(-1, tok[:, None])[:, 0]
+
+
+@torch.no_grad()
+def generate(
+    model: LLaDA2Reference,
+    input_ids: torch.Tensor,
+    temperature: float = 0.0,
+    block_length: int = 32,
+    steps: int = 32,
+    gen_length: int = 2048,
+    top_p=None,
+    top_k=None,
+    eos_early_stop: bool = False,
+    minimal_topk: int = 1,
+    threshold: float = 0.95,
+    eos_id: int | Iterable[int] = EOS_ID,
+    mask_id: int = MASK_ID,
+    *,
+    hub_sampler: bool = True,
+    uniforms: Optional[Callable[[int], Iterable[float]]] = None,
+    min_threshold: Optional[float] = None,
+    suppress_mask: bool = False,
+    editing_threshold: Optional[float] = None,
+    max_post_steps: int = 16,
+    trace: Optional[list] = None,
+    on_step: Optional[Callable] = None,
+    early_stop: bool = False,
+) -> torch.Tensor:
+    """The hub 2.0 ``generate`` (§4.2), full recompute every step.
+
+    Extensions (all off by default, i.e. hub-exact): ``min_threshold`` decays
+    the threshold linearly over the steps; ``suppress_mask`` never predicts
+    mask_id; ``editing_threshold`` switches to LLaDA2.1 draft-and-edit per
+    block (§6.3, with the block-causal log-mask); ``eos_id`` may be a set of
+    ids. ``trace`` receives one ``(block, step, positions, tokens)`` tuple per
+    step (absolute positions, sorted); ``on_step(block, step, logits)`` sees
+    every step's raw float32 logits of the block [bl, V]. ``early_stop``
+    ends a block's step loop once its output is final (no mask before the
+    first eos or before P + gen_length): same output, fewer steps (dlm's rule).
+    """
+    eos_ids = {int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id}
+    x_in = input_ids.reshape(1, -1)
+    steps = min(steps, gen_length // minimal_topk)
+    P = x_in.shape[1]
+    nb = -(-(P + gen_length) // block_length)
+    T = nb * block_length
+    mask = block_causal_mask(T, block_length, model.dtype)
+    pos = torch.arange(T)
+    x = torch.full((1, T), mask_id, dtype=torch.long)
+    x[0, :P] = x_in[0]
+    quota = transfer_quota(block_length, steps)
+
+    def sample(logits):
+        if suppress_mask:
+            logits = logits.clone()
+            logits[:, mask_id] = float("-inf")
+        return sample_tokens(
+            logits, temperature, top_k, top_p, hub_sampler=hub_sampler, uniforms=uniforms
+        )
+
+    def has_eos(t):
+        return any(int(v) in eos_ids for v in t.tolist())
+
+    for b in range(P // block_length, nb):
+        start, end = b * block_length, (b + 1) * block_length
+        window = x[:, :end]
+        if editing_threshold is None:
+            for s in range(steps):
+                active = window[0, start:end] == mask_id
+                if not bool(active.any()):
+                    break
+                logits = model(window, mask[:, :, :end, :end], pos[:end])[0, start:end]
+                if on_step is not None:
+                    on_step(b, s, logits)
+                tok, p = sample(logits)
+                conf = torch.where(active, p, torch.tensor(float("-inf")))
+                thr = linear_threshold(threshold, min_threshold, s, steps)
+                high = conf > thr
+                if int(high.sum()) >= quota[s]:
+                    commit = high
+                else:
+                    n = min(quota[s], int(active.sum()))
+                    commit = torch.zeros_like(high)
+                    commit[_most_confident(conf, n)] = True
+                window[0, start:end] = torch.where(commit, tok, window[0, start:end])
+                if trace is not None:
+                    where = commit.nonzero()[:, 0]
+                    trace.append((b, s, (where + start).tolist(), tok[where].tolist()))
+                if early_stop and _block_final(window[0, start:end], max(P - start, 0),
+                                               P + gen_length - start, eos_ids, mask_id):
+                    break
+                if eos_early_stop and has_eos(tok[commit]):
+                    e = next(i for i, v in enumerate(x[0].tolist()) if v in eos_ids)
+                    if not bool((x[0, P:e] == mask_id).any()):
+                        return x[0, : e + 1]  # hub quirk: includes the prompt
+        else:
+            _edit_block(model, window, mask[:, :, :end, :end], pos[:end], b, start, end, P,
+                        steps, quota, threshold, min_threshold, editing_threshold,
+                        max_post_steps, mask_id, sample, trace, on_step)
+            if eos_early_stop and has_eos(x[0, P:end]) and not bool((x[0, P:end] == mask_id).any()):
+                break
+        if has_eos(x[0, P:end]):
+            break
+
+    g = x[0, P : P + gen_length].tolist()
+    n = next((i for i, v in enumerate(g) if v in eos_ids), len(g) - 1)
+    return torch.tensor(g[: n + 1], dtype=torch.long)
+
+
+def _most_confident(conf: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the n largest values; exact ties go to the lowest position
+    (the hub's topk leaves ties implementation-defined; dlm fixes the rule so
+    that both frameworks agree, e.g. on an all-mask block with no prompt)."""
+    return torch.sort(conf, descending=True, stable=True).indices[:n]
+
+
+def _block_final(block, gen_from, need, eos_ids, mask_id) -> bool:
+    vals = block.tolist()
+    need = min(need, len(vals))
+    first_mask = next((i for i in range(gen_from, len(vals)) if vals[i] == mask_id), len(vals))
+    first_eos = next((i for i in range(gen_from, len(vals)) if vals[i] in eos_ids), len(vals))
+    return first_mask >= need or first_eos < first_mask
+
+
+def _edit_block(model, window, mask, pos, b, start, end, P, steps, quota, threshold,
+                min_threshold, editing_threshold, max_post_steps, mask_id, sample, trace, on_step):
+    """LLaDA2.1 draft-and-edit for one block (§6.3).  The fallback commit is the
+    quota of the step (1 per step with steps == block_length, as the hub's
+    num_to_transfer=1); editable = non-prompt, non-mask positions of the block."""
+    post, s = 0, 0
+    editable_base = torch.arange(start, end) >= P
+    while True:
+        cur = window[0, start:end]
+        active = cur == mask_id
+        if not bool(active.any()):
+            post += 1
+        if post > max_post_steps:
+            return
+        logits = model(window, mask, pos)[0, start:end]
+        if on_step is not None:
+            on_step(b, s, logits)
+        tok, p = sample(logits)
+        commit = torch.zeros_like(active)
+        if bool(active.any()):
+            conf = torch.where(active, p, torch.tensor(float("-inf")))
+            thr = linear_threshold(threshold, min_threshold, min(s, max(steps - 1, 0)), steps)
+            high = conf > thr
+            q = quota[s] if s < len(quota) else 1
+            q = max(q, 1)
+            if int(high.sum()) >= q:
+                commit = high
+            else:
+                commit[_most_confident(conf, min(q, int(active.sum())))] = True
+        edit = editable_base & ~active & (tok != cur) & (p > editing_threshold)
+        write = commit | edit
+        window[0, start:end] = torch.where(write, tok, cur)
+        if trace is not None:
+            where = write.nonzero()[:, 0]
+            trace.append((b, s, (where + start).tolist(), tok[where].tolist()))
+        s += 1
+        if not bool(active.any()) and not bool(edit.any()):
+            return
