@@ -24,8 +24,9 @@ pytest.importorskip("transformers")
 from dlm.verify import bundle as B  # noqa: E402
 from dlm.verify.suite import Options, record, run_parity  # noqa: E402
 from tests.builders import (  # noqa: E402
-    FAST_VERIFY, build_diffusion_gemma, build_llada2, convert_dir, verify_options, write_llada2_remote_code,
+    FAST_VERIFY, build_diffusion_gemma, build_llada2, convert_dir, verify_options,
 )
+from tests.llada2_remote_code import write_llada2_remote_code  # noqa: E402
 from tests.rss import run_child  # noqa: E402
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,8 @@ from dlm.verify import protocol
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.suite import Options, run_parity
 from dlm.verify.weights import dequantized_weights
-from tests.builders import LLADA2_MASK_ID, build_llada2, write_llada2_remote_code
+from tests.builders import LLADA2_MASK_ID, build_llada2
+from tests.llada2_remote_code import write_llada2_remote_code
 
 torch.set_num_threads(1)
 
