@@ -355,3 +355,22 @@ def test_two_empty_commit_streams_match_completely():
     assert M.stream_metrics(empty, CommitStream([1, 2], [], "stop"))["token_match"] == 1.0
     one = _stream([[5]], [[[5, 7]]], [[[1.0, 0.5]]], [5])
     assert M.stream_metrics(empty, one)["token_match"] == 0.0
+
+
+def test_layer_diagnostic_counts_the_positions_that_diverge():
+    """A per-token event (one position of ten moves) is told apart from a wrong
+    layer (every position moves): the first divergence says how many positions."""
+    from dlm.verify import layers as LY
+    from dlm.verify.weights import Precision
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((10, 32))
+    one = ref.copy()
+    one[4] = rng.standard_normal(32)
+    every = ref + 0.8 * rng.standard_normal((10, 32))
+    prec = Precision(label="float32", compute_dtype="float32", bits=None, mode=None)
+    for got, below in ((one, 1), (every, 10)):
+        summary = LY.agreement({"c": {"s": [ref, ref]}}, {"c": {"s": [ref, got]}}, prec)
+        first = summary["first_divergence"]
+        assert (first["layer"], first["positions"], first["positions_below"]) == (1, 10, below)
+        assert f"at {below} of 10 positions" in LY.describe(summary)

@@ -96,7 +96,11 @@ def result(calls: dict, stacks: dict) -> dict:
     return out
 
 
-def layer_metrics(ref: np.ndarray, mlx: np.ndarray) -> dict:
+def layer_metrics(ref: np.ndarray, mlx: np.ndarray, bound: Optional[float] = None) -> dict:
+    """Max/mean |Δ|, the per-position cosine's min and mean, max |Δ| relative to the
+    reference's largest entry; with ``bound``, how many positions fall below it (one
+    position of many at a layer whose others agree is a per-token event, such as an
+    MoE token's near-tied experts switching under rounding, not a wrong layer)."""
     a = np.asarray(ref, np.float64)
     b = np.asarray(mlx, np.float64)
     if a.shape != b.shape:
@@ -107,8 +111,11 @@ def layer_metrics(ref: np.ndarray, mlx: np.ndarray) -> dict:
     both = (na > 0) & (nb > 0)
     cos = np.where(both, dot / np.where(both, na * nb, 1.0), np.where((na == 0) & (nb == 0), 1.0, 0.0))
     scale = float(np.abs(a).max()) or 1.0
-    return dict(max_abs=float(d.max()), mean_abs=float(d.mean()), cosine_min=float(cos.min()),
-                cosine_mean=float(cos.mean()), rel_max=float(d.max()) / scale)
+    row = dict(max_abs=float(d.max()), mean_abs=float(d.mean()), cosine_min=float(cos.min()),
+               cosine_mean=float(cos.mean()), rel_max=float(d.max()) / scale)
+    if bound is not None:
+        row.update(positions=int(cos.size), positions_below=int((cos < bound).sum()))
+    return row
 
 
 def agreement(ref: dict, mlx: dict, prec: Precision, overrides: Optional[dict] = None,
@@ -129,10 +136,11 @@ def agreement(ref: dict, mlx: dict, prec: Precision, overrides: Optional[dict] =
             for i, (r, m) in enumerate(zip(layers, theirs)):
                 if r is None or m is None:
                     continue
-                row = dict(layer=i, **layer_metrics(r, m))
+                row = dict(layer=i, **layer_metrics(r, m, bound))
                 rows[stack].append(row)
                 if case_first is None and bound is not None and row["cosine_min"] < bound:
-                    case_first = dict(stack=stack, layer=i, cosine_min=row["cosine_min"], max_abs=row["max_abs"])
+                    case_first = dict(stack=stack, layer=i, cosine_min=row["cosine_min"], max_abs=row["max_abs"],
+                                      positions=row["positions"], positions_below=row["positions_below"])
         cases[case] = dict(stacks=rows, first_divergence=case_first)
         if first is None and case_first is not None:
             first = dict(case=case, **case_first)
@@ -160,7 +168,10 @@ def describe(summary: dict) -> str:
     bound = summary["threshold"]["cosine_min"]
     first, worst = summary.get("first_divergence"), summary.get("worst")
     if first:
-        return (f"first below cos {bound}: {first['case']} {first['stack']} layer {first['layer']} "
+        where = ""
+        if first.get("positions"):
+            where = f" at {first['positions_below']} of {first['positions']} positions"
+        return (f"first below cos {bound}: {first['case']} {first['stack']} layer {first['layer']}{where} "
                 f"(cos min {_cos(first['cosine_min'])}, max|Δ| {first['max_abs']:.3g})")
     text = f"all {n} layer outputs agree"
     if bound is not None:
