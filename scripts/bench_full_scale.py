@@ -40,10 +40,9 @@ Exit status: 0 every command exited 0; 1 one did not (a failed verify check incl
 Measured (this 2-core, 24 GiB shared machine, MLX CPU backend; README "Benchmarks" has the table):
 DiffusionGemma build 336 s, convert 402 s / 0.20 GB peak RSS -> 15.41 GB, generate 1046 s / 19.0 GB peak RSS,
 208 s per denoising step; LLaDA2.0-mini build 558 s, convert 329 s / 1.14 GB -> 9.61 GB, generate 217 s /
-12.0 GB, 38.6 s per step. The full-size DiffusionGemma verify, one prompt and 2 stream steps
-(``--keep --reuse-output --skip-generate --verify-arg=--no-builtin-prompts --verify-arg=--prompts=ONE.txt
---verify-arg=--steps=2``, on about 1.2 cores): reference logits 1112 s at 9.4 GB, its stream 518 s, MLX cases
-~1100 s each at 18.7 GB (README "Benchmarks"); a default-budget run is estimated at ~4 hours here.
+12.0 GB, 38.6 s per step. The full-size DiffusionGemma verify with the default streamed budget but one stream
+step (``--keep --skip-generate --verify-arg=--steps=1``): 6459 s, peak RSS 21.0 GB (reference logits 294 s, MLX
+logits 4010 s, same-weights logits 831 s); a default-budget run (4 steps) is estimated at ~2.6 hours here.
 """
 
 from __future__ import annotations
