@@ -338,6 +338,9 @@ def test_layer_diagnostic_names_the_perturbed_layer(tiny_dg_dir, tiny_dg_mlx_dir
                                                implementation=False, stream_prompts=0, stream_layers=True))
     summary = report.layers["original"]
     assert summary["first_divergence"]["stack"] == "encoder" and summary["first_divergence"]["layer"] == 3
+    # A wrong weight moves every position the layer computes, not one token.
+    first = summary["first_divergence"]
+    assert first["positions_below"] == first["positions"] > 1
     bound = summary["threshold"]["cosine_min"]
     for stack in ("encoder", "decoder"):
         rows = {r["layer"]: r for r in summary["cases"]["p0.arange"]["stacks"][stack]}

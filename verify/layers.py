@@ -98,9 +98,8 @@ def result(calls: dict, stacks: dict) -> dict:
 
 def layer_metrics(ref: np.ndarray, mlx: np.ndarray, bound: Optional[float] = None) -> dict:
     """Max/mean |Δ|, the per-position cosine's min and mean, max |Δ| relative to the
-    reference's largest entry; with ``bound``, how many positions fall below it (one
-    position of many at a layer whose others agree is a per-token event, such as an
-    MoE token's near-tied experts switching under rounding, not a wrong layer)."""
+    reference's largest entry; with ``bound``, how many positions fall below it (a
+    few of many: a per-token event such as an MoE near-tie, see the module docstring)."""
     a = np.asarray(ref, np.float64)
     b = np.asarray(mlx, np.float64)
     if a.shape != b.shape:
