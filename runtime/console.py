@@ -66,7 +66,7 @@ def model_options(func):
         click.option("--revision", default=None, metavar="REV", help="Hub branch, tag or commit (repo ids only)."),
         click.option("--compute-dtype", type=click.Choice(["auto", "native", "float32"]), default=None,
                      help="auto: on the CPU backend float32, quantized weights dequantized at load when they "
-                          "fit (its half-precision and quantized kernels are slow); on Metal/CUDA the stored "
+                          "fit, else per call (its half-precision and quantized kernels are slow); on Metal/CUDA the stored "
                           "dtype. native: the stored dtype and quantized kernels. float32: upcast, quantized "
                           "kernels kept [auto, or DLM_COMPUTE_DTYPE]."),
         click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer to run checkpoint code."),

@@ -30,6 +30,7 @@ class LoadedModel:
     compute_dtype: str = "float32"  # what the model computes in (see COMPUTE_DTYPES)
     upcast: bool = False  # half-precision weights were upcast to float32 for the CPU backend
     dequantized: int = 0  # quantized modules dequantized to float32 at load (CPU backend)
+    per_call: int = 0  # quantized modules dequantized per call (CPU backend; models/quantized.py)
     # The family's image processor, built on first use (api.image_processor).
     image_processor: Any = None
 
@@ -137,8 +138,11 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 # kernels are slower still); on Metal/CUDA, the stored dtype and the quantized
 # kernels. "native": the stored dtype and the quantized kernels everywhere.
 # "float32": half-precision weights upcast, quantized kernels kept.
-# DLM_COMPUTE_DTYPE sets the default.
+# DLM_COMPUTE_DTYPE sets the default. Under auto, quantized weights that do not
+# fit as float32 stay quantized and are dequantized per call (models/quantized.py);
+# DLM_CPU_DEQUANTIZE=call does that always, =kernels never (the quantized kernels).
 COMPUTE_DTYPES = ("auto", "native", "float32")
+CPU_DEQUANTIZE = ("auto", "call", "kernels")
 
 
 def compute_in_float32(model, budget: Optional[int] = None) -> bool:
@@ -225,6 +229,9 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
     compute_dtype = compute_dtype or os.environ.get("DLM_COMPUTE_DTYPE", "").strip() or "auto"
     if compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"--compute-dtype {compute_dtype!r}: choose from {', '.join(COMPUTE_DTYPES)}")
+    dequantize = os.environ.get("DLM_CPU_DEQUANTIZE", "").strip().lower() or "auto"
+    if dequantize not in CPU_DEQUANTIZE:
+        raise ConfigError(f"DLM_CPU_DEQUANTIZE={dequantize!r}: choose from {', '.join(CPU_DEQUANTIZE)}")
 
     source = str(path)
     path = resolve_model(path, revision)
@@ -246,7 +253,7 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
         raise ConfigError(f"{path}: weights are quantized but config.json has no 'quantization' block")
     check_weights(model, weights)
     model.load_weights(list(weights.items()), strict=True)
-    upcast, dequantized = False, 0
+    upcast, dequantized, per_call = False, 0, 0
     on_cpu = mx.default_device() == mx.cpu
     if compute_dtype == "float32" or (compute_dtype == "auto" and on_cpu):
         from .memory import budget_bytes
@@ -254,9 +261,15 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
         # auto: only what fits half the memory budget (the rest is the generation's).
         upcast = compute_in_float32(model, None if compute_dtype == "float32" else budget_bytes() // 2)
         # MLX's CPU quantized kernels run far below float32 matmul with a real BLAS:
-        # dequantize at load when the float32 weights fit half the memory budget.
-        if compute_dtype == "auto" and q is not None and dequantized_size(model) <= budget_bytes() // 2:
-            dequantized = dequantize_modules(model)
+        # dequantize at load when the float32 weights fit half the memory budget,
+        # else per call (one module, expert or vocabulary slice at a time).
+        if compute_dtype == "auto" and q is not None and dequantize != "kernels":
+            if dequantize == "auto" and dequantized_size(model) <= budget_bytes() // 2:
+                dequantized = dequantize_modules(model)
+            else:
+                from .models.quantized import mark
+
+                per_call = mark(model)
     if on_cpu and not upcast:  # the CPU gather_mm is float32-only
         from .models.switch import cpu_float32_experts
 
@@ -268,7 +281,7 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
     tok = load_tokenizer(path, trust_remote_code) if tokenizer else None
     dtype = str(model.dtype).replace("mlx.core.", "")
     return LoadedModel(path, config, args, family, model, tok, generation_config, source, dtype, upcast,
-                       dequantized)
+                       dequantized, per_call)
 
 
 __all__ = ["LoadedModel", "load", "DlmError"]

@@ -43,8 +43,11 @@ def parallel() -> bool:
 
 def splits(module) -> bool:
     """A quantized module (it has ``scales``) on the CPU backend with several
-    streams: its kernel is single-threaded, so callers split its rows."""
-    return "scales" in module and parallel()
+    streams: its kernel is single-threaded, so callers split its rows (not one
+    dequantized per call: quantized.py spreads its slices instead)."""
+    from .quantized import per_call
+
+    return "scales" in module and parallel() and not per_call(module)
 
 
 def split_rows(fn: Callable[..., mx.array], *arrays: mx.array) -> mx.array:

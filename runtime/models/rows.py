@@ -18,7 +18,8 @@ sequence makes alone.
 ``linear`` and ``matmul`` do that for an input with a batch axis of more than
 one sequence and are the plain call otherwise (a sequence alone runs exactly
 what it ran before). Quantized matmuls run merged: MLX's own CPU kernel
-computes every row on its own (checked in tests/test_batch_rows.py).
+computes every row on its own (checked in tests/test_batch_rows.py); those
+dequantized per call (quantized.py) get one GEMM per sequence as float ones do.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ def matmul(x: mx.array, w: mx.array) -> mx.array:
 
 def linear(module, x: mx.array) -> mx.array:
     """``module(x)`` (an ``nn.Linear``, or a quantized one), one GEMM per sequence."""
-    if not _batched(x) or "scales" in module:
+    if "scales" in module:
+        from . import quantized
+
+        return quantized.linear(module, x) if quantized.wants(module, x) else module(x)
+    if not _batched(x):
         return module(x)
     w = module["weight"].T
     if "bias" in module:
@@ -49,7 +54,11 @@ def linear(module, x: mx.array) -> mx.array:
 
 def as_linear(embedding, x: mx.array) -> mx.array:
     """``embedding.as_linear(x)`` (tied output head), one GEMM per sequence."""
-    if not _batched(x) or "scales" in embedding:
+    if "scales" in embedding:
+        from . import quantized
+
+        return quantized.linear(embedding, x) if quantized.wants(embedding, x) else embedding.as_linear(x)
+    if not _batched(x):
         return embedding.as_linear(x)
     return matmul(x, embedding["weight"].T)
 

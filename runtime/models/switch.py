@@ -4,19 +4,22 @@
 ``gather_mm``; the quantized twin uses ``gather_qmm``. CPU strategy: the CPU
 backend's ``gather_mm`` is float32-only, so the loader keeps half-precision
 expert weights in float32 there (``cpu_float32_experts``) and the layer rounds
-its output back to the activation dtype.
+its output back to the activation dtype. Quantized experts dequantized per call
+(quantized.py) run grouped like float ones, one expert dequantized at a time.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ...quantize.modes import mode_defaults
-from .cpu_streams import parallel, split_rows
+from .cpu_streams import cpu_streams, parallel, split_rows
+from .quantized import expert_matmul, per_call
 
 
 class SwitchLinear(nn.Module):
@@ -53,6 +56,10 @@ class QuantizedSwitchLinear(nn.Module):
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self.freeze()
 
+    def dense(self, expert: int, x: mx.array) -> mx.array:
+        """``x`` [rows, in] through one expert, its weight dequantized for this call."""
+        return expert_matmul(self, expert, x)
+
     @classmethod
     def from_float(cls, layer: SwitchLinear, group_size, bits, mode):
         group_size, bits = mode_defaults(mode, group_size, bits)
@@ -79,15 +86,26 @@ GROUPED_MIN_ROWS_PER_EXPERT = 6
 GROUPED_MIN_WEIGHT = 1 << 20
 
 
+def _float_like(layer) -> bool:
+    """A float switch layer, or a quantized one dequantized per call."""
+    return isinstance(layer, SwitchLinear) or (isinstance(layer, QuantizedSwitchLinear) and per_call(layer))
+
+
+def _expert_size(layer) -> int:
+    """One expert's weight elements (unpacked)."""
+    w = layer["weight"]
+    return w.shape[-2] * w.shape[-1] * (32 // layer.bits if "scales" in layer else 1)
+
+
 def cpu_float_experts(*layers) -> bool:
-    """Large float experts on the CPU backend: they run eagerly (outside
-    mx.compile), grouped when ``grouped`` says so. DLM_CPU_EXPERTS=gather:
-    gather_mm always (benchmarks)."""
+    """Large float experts on the CPU backend (or quantized ones dequantized per
+    call): they run eagerly (outside mx.compile), grouped when ``grouped`` says
+    so. DLM_CPU_EXPERTS=gather: gather_mm always (benchmarks)."""
     if os.environ.get("DLM_CPU_EXPERTS", "").strip().lower() == "gather":
         return False
     return (mx.default_device() == mx.cpu
-            and all(isinstance(layer, SwitchLinear) for layer in layers)
-            and min(layer["weight"][0].size for layer in layers) >= GROUPED_MIN_WEIGHT)
+            and all(_float_like(layer) for layer in layers)
+            and min(_expert_size(layer) for layer in layers) >= GROUPED_MIN_WEIGHT)
 
 
 def cpu_eager_experts(*layers) -> bool:
@@ -108,20 +126,23 @@ def grouped(rows: int, num_experts: int, *layers) -> bool:
     return cpu_float_experts(*layers) and rows >= GROUPED_MIN_ROWS_PER_EXPERT * num_experts
 
 
-def by_expert(x: mx.array, idx: mx.array, num_experts: int, expert_fn) -> mx.array:
+def by_expert(x: mx.array, idx: mx.array, num_experts: int, expert_fn, spread: bool = False) -> mx.array:
     """Route each token copy to its expert: ``x`` [N, in], ``idx`` [N, K] ->
     [N, K, out], with ``expert_fn(e, rows)`` applied to all rows routed to
     expert ``e`` at once. Reads the per-expert counts on the host (one sync
-    per call), so it runs outside mx.compile."""
+    per call), so it runs outside mx.compile. ``spread``: experts take turns on
+    the CPU streams (per-call dequantization is single-threaded)."""
+    streams = cpu_streams() if spread else []
     N, K = idx.shape
     flat = idx.reshape(-1)
     order = mx.argsort(flat)
     counts = np.bincount(np.array(flat), minlength=num_experts)
     rows = x[order // K]
     outs, start = [], 0
-    for expert in np.flatnonzero(counts):
+    for i, expert in enumerate(np.flatnonzero(counts)):
         c = int(counts[expert])
-        outs.append(expert_fn(int(expert), rows[start : start + c]))
+        with mx.stream(streams[i % len(streams)]) if streams else nullcontext():
+            outs.append(expert_fn(int(expert), rows[start : start + c]))
         start += c
     y = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     return y[mx.argsort(order)].reshape(N, K, -1)

@@ -27,6 +27,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..rows import linear, per_sequence
+from ..quantized import per_call
 from ..switch import SwitchLinear, by_expert, cpu_eager_experts, grouped
 from .config import SLIDING, ModelArgs
 
@@ -290,7 +291,8 @@ class Experts(nn.Module):
         each = per_sequence(N, sequences) * K  # token copies of one sequence
         if grouped(each, E, self.gate_up_proj, self.down_proj):
             n = N // sequences
-            parts = [by_expert(x[i * n:(i + 1) * n], idx[i * n:(i + 1) * n], E, self._expert)
+            spread = per_call(self.gate_up_proj)
+            parts = [by_expert(x[i * n:(i + 1) * n], idx[i * n:(i + 1) * n], E, self._expert, spread)
                      for i in range(sequences)]
             y = mx.concatenate(parts) if sequences > 1 else parts[0]
         elif each >= 64:

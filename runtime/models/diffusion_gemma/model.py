@@ -15,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cpu_streams import split_positions, splits
+from ..quantized import embedding_matmul, per_call, wants
 from ..rows import as_linear, matmul
 from .config import SLIDING, ModelArgs
 from .layers import DecoderLayer, PrefixCache, RMSNorm, SelfConditioning
@@ -59,7 +60,9 @@ class DecoderModel(nn.Module):
         dtype = self.dtype
         p = mx.softmax(sc_logits.astype(mx.float32), axis=-1).astype(dtype)
         e = self.embed_tokens
-        if _is_quantized(e):
+        if wants(e, p):  # dequantized per vocabulary slice (CPU backend)
+            s = embedding_matmul(e, p)
+        elif _is_quantized(e):
             def qmm(rows):
                 return mx.quantized_matmul(rows, e["weight"], e["scales"], e.get("biases"), transpose=False,
                                            group_size=e.group_size, bits=e.bits, mode=e.mode)
@@ -93,7 +96,7 @@ class DecoderModel(nn.Module):
 
     def compiled(self):
         if self._compiled is None:  # implicit inputs: only what these two read (not the layers)
-            if self.split_vocab:
+            if self.split_vocab or per_call(self.embed_tokens):  # eager: one vocabulary slice at a time
                 fns = (self.inputs, self.head)
             else:
                 state = [self.embed_tokens.state, self.norm.state, self.self_conditioning.state]

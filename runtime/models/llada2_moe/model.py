@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, linear, matmul, per_sequence
+from ..quantized import per_call
 from ..switch import SwitchLinear, by_expert, grouped
 from .config import ModelArgs
 from .weights import sanitize
@@ -47,7 +48,8 @@ class SwitchGLU(nn.Module):
         E = self.gate_proj["weight"].shape[0]
         n = per_sequence(T, sequences)
         if grouped(n * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one matmul per expert
-            parts = [by_expert(x[i * n:(i + 1) * n], indices[i * n:(i + 1) * n], E, self._expert)
+            spread = per_call(self.gate_proj)
+            parts = [by_expert(x[i * n:(i + 1) * n], indices[i * n:(i + 1) * n], E, self._expert, spread)
                      for i in range(sequences)]
             return mx.concatenate(parts) if sequences > 1 else parts[0]
         if n * k >= 64:

@@ -1,0 +1,127 @@
+"""Quantized weights on the CPU backend, dequantized per call.
+
+MLX's CPU quantized kernels run at ~2 GFLOP/s a thread here, while a float32
+GEMM through an optimized BLAS runs at ~140-180 (dlm.runtime.blas). When a
+model's float32 weights do not fit in memory (the loader dequantizes at load
+when they do), the weights stay quantized and each matmul dequantizes the
+weight it needs (one module, one expert, one vocabulary slice) to float32 just
+before its GEMM; the copy is freed as soon as that GEMM ran. Measured
+(``python -m scripts.bench_cpu_dequant``, 2 cores, OpenBLAS): a 256-row 8-bit
+projection 4096 x 2816 took 2.7 s in ``quantized_matmul`` and 79 ms dequantized
+per call; one 4-bit expert (16 rows, 1408 x 2816) 56 vs 10.5 ms.
+
+The dequantized values are exactly those the quantized kernels read (the
+same ``mx.dequantize``), so verify's implementation check (the reference fed
+the dequantized weights) holds as before. Every sequence of a batch gets its
+own GEMM (dlm.runtime.models.rows), and whether a call dequantizes depends on
+one sequence's row count, so batched and solo runs stay identical.
+
+Off on Metal/CUDA (their quantized kernels are the fast path), with fewer than
+``MIN_ROWS`` rows a sequence (the kernel reads each weight once; dequantizing
+costs more) and when the loader was told to keep the kernels
+(``--compute-dtype native|float32``, ``DLM_CPU_DEQUANTIZE=kernels``).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import mlx.core as mx
+
+from .cpu_streams import cpu_streams
+
+ATTR = "dequantize_per_call"
+MIN_ROWS = 4  # rows of one sequence from which dequantizing beats the kernel (bench_cpu_dequant)
+SLICE_BYTES = 96 << 20  # float32 bytes of one dequantized piece (a head is cut into vocabulary slices)
+
+
+def per_call(module) -> bool:
+    """Whether ``module`` (quantized: it has ``scales``) dequantizes per call."""
+    return getattr(module, ATTR, False) and "scales" in module
+
+
+def mark(model) -> int:
+    """Make every quantized module of ``model`` dequantize per call; returns how many."""
+    n = 0
+    for _, module in model.named_modules():
+        if "scales" in module and hasattr(module, "bits"):
+            object.__setattr__(module, ATTR, True)
+            n += 1
+    return n
+
+
+def sequence_rows(x: mx.array) -> int:
+    """Rows one sequence multiplies: [L, in] -> L, [B, L, in] -> L."""
+    return x.shape[-2] if x.ndim >= 2 else 1
+
+
+def wants(module, x: mx.array) -> bool:
+    return per_call(module) and sequence_rows(x) >= MIN_ROWS
+
+
+def dequantized(module, start: int = None, stop: int = None, expert: int = None) -> mx.array:
+    """Rows ``start:stop`` of the module's weight (of one ``expert`` of a switch
+    layer) as float32, exactly as the quantized kernels see them."""
+    w, scales, biases = module["weight"], module["scales"], module.get("biases")
+    if expert is not None:
+        w, scales = w[expert], scales[expert]
+        biases = None if biases is None else biases[expert]
+    if start is not None:
+        w, scales = w[start:stop], scales[start:stop]
+        biases = None if biases is None else biases[start:stop]
+    out = mx.dequantize(w, scales, biases, group_size=module.group_size, bits=module.bits, mode=module.mode)
+    return out.astype(mx.float32)
+
+
+def _slices(module) -> list[tuple[int, int]]:
+    """Output-row slices of about SLICE_BYTES float32 each."""
+    rows = module["weight"].shape[-2]
+    cols = module["weight"].shape[-1] * 32 // module.bits
+    n = max(1, math.ceil(rows * cols * 4 / SLICE_BYTES))
+    return [(rows * i // n, rows * (i + 1) // n) for i in range(n)]
+
+
+def _round_robin(count: int):
+    """Contexts spreading ``count`` pieces over the CPU streams (dequantizing is single-threaded)."""
+    streams = cpu_streams()
+    for i in range(count):
+        yield mx.stream(streams[i % len(streams)]) if streams and count > 1 else nullcontext()
+
+
+def linear(module, x: mx.array) -> mx.array:
+    """``x @ W.T`` (+ bias) of a quantized linear or a tied quantized embedding
+    (``as_linear``), the weight dequantized per output slice; one GEMM per
+    sequence of a batch. Output in ``x``'s dtype."""
+    from .rows import matmul
+
+    xf = x.astype(mx.float32)
+    slices = _slices(module)
+    parts = []
+    for (a, b), where in zip(slices, _round_robin(len(slices))):
+        with where:
+            parts.append(matmul(xf, dequantized(module, a, b).T))
+    y = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    if "bias" in module:
+        y = y + module["bias"].astype(mx.float32)
+    return y.astype(x.dtype)
+
+
+def embedding_matmul(module, p: mx.array) -> mx.array:
+    """``p @ W`` of a quantized embedding (``p`` [..., vocab], float32 out):
+    each vocabulary slice dequantized per call, the slices' products summed."""
+    from .rows import matmul
+
+    pf = p.astype(mx.float32)
+    slices = _slices(module)
+    total = None
+    for (a, b), where in zip(slices, _round_robin(len(slices))):
+        with where:
+            part = matmul(pf[..., a:b], dequantized(module, a, b))
+        total = part if total is None else total + part
+    return total
+
+
+def expert_matmul(module, expert: int, x: mx.array) -> mx.array:
+    """``x`` [rows, in] through one expert of a quantized switch layer, dequantized per call."""
+    return (x.astype(mx.float32) @ dequantized(module, expert=expert).T).astype(x.dtype)
