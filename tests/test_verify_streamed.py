@@ -22,6 +22,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from dlm.verify import bundle as B  # noqa: E402
+from dlm.verify import layers as L  # noqa: E402
 from dlm.verify.suite import Options, record, run_parity  # noqa: E402
 from tests.builders import (  # noqa: E402
     FAST_VERIFY, build_diffusion_gemma, build_llada2, convert_dir, verify_options,
@@ -90,7 +91,7 @@ def test_streamed_diffusion_gemma_equals_whole_through_bundles(tiny_dg_dir, tiny
     for a, b in ((whole, streamed), tuple(saved)):
         _assert_same_run(a.original, b.original)
         _assert_same_run(a.matched, b.matched)
-    assert set(saved[1].original.hidden["p0.arange"]) == {"encoder", "decoder"}
+    assert set(saved[1].original.hidden["p0.arange"]) == {"encoder", "decoder", "encoder:routes", "decoder:routes"}
     assert len(saved[1].original.hidden["p0.arange"]["encoder"]) == 6  # the last one too (MLX skips it)
     reports = [run_parity(tiny_dg_mlx_dir, verify_options(bundle=str(tmp_path / n))) for n in ("whole", "streamed")]
     _same_verdicts(*reports)
@@ -463,3 +464,39 @@ def test_streamed_reference_refuses_incomplete_weights_naming_the_tensor(tiny_ll
         with pytest.raises(WeightError, match=drop.replace(".", r"\.")) as err:
             A.load_reference(bad, stream=True)
         assert str(bad) in str(err.value)
+
+
+def test_layer_diagnostic_finds_a_routing_flip(tiny_dg_dir, tiny_dg_mlx_dir, monkeypatch):
+    """MLX routes one canvas position of decoder layer 1 to another expert: the
+    routing record names that layer and position, with the reference's margin,
+    and it is where the hidden states first diverge. Unflipped, every token
+    routing agrees."""
+    from dlm.runtime.models.diffusion_gemma.layers import DecoderLayer
+
+    options = verify_options(reference=str(tiny_dg_dir), long_prompt=False, stream_prompts=0, stream_layers=True)
+    summary = run_parity(tiny_dg_mlx_dir, options).layers["implementation"]
+    assert summary["routing"]["flips"] == 0 and summary["routing"]["routed"] > 100
+    assert "token routings agree" in L.describe(summary)
+
+    real = DecoderLayer._mix
+
+    def mix(self, x, attn):
+        h, m1, xe, weights, idx = real(self, x, attn)
+        if self.index == 1 and idx.shape[0] == 8:  # the decoder's 8-position canvas
+            n = self.experts.gate_up_proj["weight"].shape[0]
+            present = (mx.arange(n)[:, None] == idx[3][None, :]).any(axis=1)
+            other = mx.argmin(present).astype(idx.dtype)  # the first expert position 3 does not use
+            k = idx.shape[1]
+            at = (mx.arange(8)[:, None] == 3) & (mx.arange(k)[None, :] == k - 1)
+            idx = mx.where(at, other, idx)  # (inside mx.compile: no host reads)
+        return h, m1, xe, weights, idx
+
+    monkeypatch.setattr(DecoderLayer, "_mix", mix)
+    report = run_parity(tiny_dg_mlx_dir, options)
+    summary = report.layers["implementation"]
+    first = summary["routing"]["first_flip"]
+    assert (first["stack"], first["layer"], first["position"]) == ("decoder", 1, 3)
+    assert first["gap"] > 0 and len(first["mlx_only"]) == 1
+    div = summary["first_divergence"]
+    assert (div["stack"], div["layer"], div["position"], div["positions_below"]) == ("decoder", 1, 3, 1)
+    assert "where the hidden states first diverge" in L.describe(summary)

@@ -15,6 +15,14 @@ under rounding: a large local change at one layer that the next layers damp).
 Its job is to localise: ``first_divergence`` names the first layer, in
 computation order, whose cosine drops below the precision's bound
 (``thresholds.DEFAULTS["layers"]``, overridable with ``--thresholds``).
+
+Routing (MoE families whose adapter has ``reference_routers``): the stacks
+named ``<stack>:routes`` hold, per layer, the reference router's float32
+probabilities [positions, experts] and MLX's routed expert ids [positions, k].
+``routing`` counts the positions whose top-k sets differ and, for the first
+such flip, the reference's own margin between its k-th and (k+1)-th expert:
+a flip at a margin the size of the cross-framework rounding is a near-tie,
+which no implementation avoids and which random weights then amplify.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import numpy as np
 
 from .thresholds import thresholds_for
 from .weights import Precision
+
+ROUTES = ":routes"  # suffix of a stack's routing record (module docstring)
 
 
 def per_layer(outputs: Optional[list], n_layers: int) -> list:
@@ -113,7 +123,8 @@ def layer_metrics(ref: np.ndarray, mlx: np.ndarray, bound: Optional[float] = Non
     row = dict(max_abs=float(d.max()), mean_abs=float(d.mean()), cosine_min=float(cos.min()),
                cosine_mean=float(cos.mean()), rel_max=float(d.max()) / scale)
     if bound is not None:
-        row.update(positions=int(cos.size), positions_below=int((cos < bound).sum()))
+        row.update(positions=int(cos.size), positions_below=int((cos < bound).sum()),
+                   position_min=int(cos.argmin()))
     return row
 
 
@@ -130,6 +141,8 @@ def agreement(ref: dict, mlx: dict, prec: Precision, overrides: Optional[dict] =
             continue
         rows, case_first = {}, None
         for stack, layers in stacks.items():
+            if stack.endswith(ROUTES):
+                continue
             theirs = mlx[case].get(stack) or []
             rows[stack] = []
             for i, (r, m) in enumerate(zip(layers, theirs)):
@@ -139,7 +152,8 @@ def agreement(ref: dict, mlx: dict, prec: Precision, overrides: Optional[dict] =
                 rows[stack].append(row)
                 if case_first is None and bound is not None and row["cosine_min"] < bound:
                     case_first = dict(stack=stack, layer=i, cosine_min=row["cosine_min"], max_abs=row["max_abs"],
-                                      positions=row["positions"], positions_below=row["positions_below"])
+                                      positions=row["positions"], positions_below=row["positions_below"],
+                                      position=row["position_min"])
         cases[case] = dict(stacks=rows, first_divergence=case_first)
         if first is None and case_first is not None:
             first = dict(case=case, **case_first)
@@ -151,7 +165,59 @@ def agreement(ref: dict, mlx: dict, prec: Precision, overrides: Optional[dict] =
                     worst = dict(case=case, stack=stack, layer=row["layer"], cosine_min=row["cosine_min"],
                                  max_abs=row["max_abs"])
     return dict(precision_class=cls, threshold={"cosine_min": bound}, cases=cases, first_divergence=first,
-                worst=worst, note=note)
+                worst=worst, note=note, routing=routing(ref, mlx))
+
+
+def route_flips(probs: np.ndarray, ids: np.ndarray) -> list[dict]:
+    """Positions where MLX's top-k expert set (``ids`` [P, k]) differs from the
+    reference's (the k largest of ``probs`` [P, E]): the experts each side
+    alone chose, and the reference's margins: between the k-th and (k+1)-th
+    probability, and between its k-th and the best expert MLX chose instead."""
+    p = np.asarray(probs, np.float64)
+    ids = np.asarray(ids).astype(np.int64)
+    k = ids.shape[-1]
+    order = np.argsort(-p, axis=-1, kind="stable")
+    ref_sets = np.sort(order[:, :k], axis=-1)
+    flips = []
+    for pos in np.flatnonzero((ref_sets != np.sort(ids, axis=-1)).any(axis=-1)):
+        ours, theirs = set(ref_sets[pos].tolist()), set(ids[pos].tolist())
+        only_mlx, only_ref = sorted(theirs - ours), sorted(ours - theirs)
+        kth = p[pos, order[pos, k - 1]]
+        flips.append(dict(position=int(pos), mlx_only=only_mlx, reference_only=only_ref,
+                          margin=float(kth - p[pos, order[pos, k]]),
+                          gap=float(kth - max(p[pos, e] for e in only_mlx))))
+    return flips
+
+
+def routing(ref: dict, mlx: dict) -> Optional[dict]:
+    """Per case, stack and layer, the routing flips (``route_flips``); the first
+    flip in computation order; None when no routing was recorded."""
+    cases, first, total, routed = {}, None, 0, 0
+    for case, stacks in ref.items():
+        rows = {}
+        for stack, layers in stacks.items():
+            theirs = (mlx.get(case) or {}).get(stack) or []
+            if not stack.endswith(ROUTES) or not theirs:
+                continue
+            name = stack[: -len(ROUTES)]
+            rows[name] = []
+            for i, (p, ids) in enumerate(zip(layers, theirs)):
+                if p is None or ids is None:
+                    continue
+                if p.shape[0] != ids.shape[0]:
+                    raise ValueError(f"{case} {name} layer {i}: {ids.shape[0]} routed positions vs the "
+                                     f"reference's {p.shape[0]}")
+                flips = route_flips(p, ids)
+                rows[name].append(dict(layer=i, positions=int(p.shape[0]), flips=flips))
+                total += len(flips)
+                routed += int(p.shape[0])
+                if first is None and flips:
+                    first = dict(case=case, stack=name, layer=i, **flips[0])
+        if rows:
+            cases[case] = rows
+    if not cases:
+        return None
+    return dict(cases=cases, flips=total, routed=routed, first_flip=first)
 
 
 def _cos(x: float) -> str:
@@ -159,10 +225,32 @@ def _cos(x: float) -> str:
     return f"1-{1 - x:.1e}" if 0.9999 <= x < 1 else f"{x:.6g}"
 
 
+def describe_routing(summary: dict) -> str:
+    """The routing clause of ``describe`` ("" when none was recorded)."""
+    routes = summary.get("routing")
+    if not routes:
+        return ""
+    first = routes["first_flip"]
+    if first is None:
+        return f"; routing: all {routes['routed']} token routings agree"
+    text = (f"; routing: {routes['flips']} of {routes['routed']} token routings differ, first {first['case']} "
+            f"{first['stack']} layer {first['layer']} position {first['position']} (expert "
+            f"{','.join(map(str, first['mlx_only']))} for {','.join(map(str, first['reference_only']))}: "
+            f"the reference's margin {first['gap']:.2g})")
+    div = summary.get("first_divergence")
+    if div and all(div.get(k) == first[k] for k in ("case", "stack", "layer", "position")):
+        text += ", where the hidden states first diverge"
+    return text
+
+
 def describe(summary: dict) -> str:
     """One line: where agreement first drops, or that every layer agrees."""
     if not summary or not summary.get("cases"):
         return "no hidden states"
+    return _describe_hidden(summary) + describe_routing(summary)
+
+
+def _describe_hidden(summary: dict) -> str:
     n = sum(len(rows) for c in summary["cases"].values() for rows in c["stacks"].values())
     bound = summary["threshold"]["cosine_min"]
     first, worst = summary.get("first_divergence"), summary.get("worst")

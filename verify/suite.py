@@ -119,6 +119,8 @@ def _reference_logits(adapter, ref, case, done, hidden: dict, layer_cases):
     if case.name not in layer_cases:
         return adapter.reference_logits(ref, case, done)
     stacks = adapter.reference_layers(ref)
+    routers = getattr(adapter, "reference_routers", None)
+    stacks.update(routers(ref) if callable(routers) else {})  # the routing diagnostic's router probabilities
     with L.capture(stacks) as calls:
         out = adapter.reference_logits(ref, case, done)
     hidden[case.name] = L.result(calls, stacks)

@@ -27,6 +27,7 @@ from .loading import (  # noqa: F401  (the protocol's load_reference / reference
     Reference,
     load_reference,
     reference_layers,
+    reference_routers,
 )
 from .images import (  # noqa: F401  (the adapter's image hooks)
     VISION_PREFIXES,
@@ -494,26 +495,34 @@ def mlx_logits(loaded, case: LogitCase, collect: dict | None = None) -> np.ndarr
     MLX never computes, is left out)."""
     import mlx.core as mx
 
+    from dlm.runtime.models.diffusion_gemma.layers import record_routes
+
     model = loaded.model
     V = _vocab(loaded.config)
     enc = [] if collect is not None else None
     dec = [] if collect is not None else None
-    cache = _shared_prefill(loaded, case, enc)
-    offset = len(case.prompt_ids)
-    if "committed" in case.arrays:
-        committed = np.asarray(case.arrays["committed"], np.int32)
-        model.encode(mx.array(committed), cache, offset=offset, collect=enc)
-        offset += len(committed)
+    routing = record_routes() if collect is not None else contextlib.nullcontext([])
+    with routing as enc_routes:
+        cache = _shared_prefill(loaded, case, enc)
+        offset = len(case.prompt_ids)
+        if "committed" in case.arrays:
+            committed = np.asarray(case.arrays["committed"], np.int32)
+            model.encode(mx.array(committed), cache, offset=offset, collect=enc)
+            offset += len(committed)
     sc = dense_sc(case.arrays, V)
     sc_mx = None if sc is None else mx.array(sc)[None].astype(model.dtype)
     canvas = mx.array(np.asarray(case.arrays["canvas"], np.int32))
-    logits = model.decode(canvas, cache, sc_logits=sc_mx, offset=offset, collect=dec)
+    routing = record_routes() if collect is not None else contextlib.nullcontext([])
+    with routing as dec_routes:
+        logits = model.decode(canvas, cache, sc_logits=sc_mx, offset=offset, collect=dec)
     if collect is not None:
-        from ..layers import per_layer
+        from ..layers import ROUTES, per_layer
 
         n = len(model.layers)
         collect["encoder"] = per_layer(enc, n)[: n - 1]
         collect["decoder"] = per_layer(dec, n)
+        collect["encoder" + ROUTES] = per_layer(enc_routes, n)[: n - 1]
+        collect["decoder" + ROUTES] = per_layer(dec_routes, n)
     return np.array(logits[0].astype(mx.float32))
 
 

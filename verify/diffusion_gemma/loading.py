@@ -49,6 +49,14 @@ def reference_layers(ref: Reference) -> dict:
     return {name: list(ref.model.get_submodule(path)) for name, path in TEXT_STACKS.items()}
 
 
+def reference_routers(ref: Reference) -> dict:
+    """``{stack + ROUTES: [router modules]}``: each returns its float32 probabilities
+    first, which the routing diagnostic compares with MLX's expert ids."""
+    from ..layers import ROUTES
+
+    return {name + ROUTES: [layer.router for layer in layers] for name, layers in reference_layers(ref).items()}
+
+
 
 
 def _hf_config_dict(config: dict) -> dict:

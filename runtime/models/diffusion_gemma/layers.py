@@ -18,6 +18,7 @@ dtype flow follow ../../../shared/reference/diffusion_gemma.md §3 (transformers
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -312,6 +313,25 @@ class Experts(nn.Module):
         return (y.astype(mx.float32) * weights[..., None]).sum(axis=1).astype(x.dtype)
 
 
+# dlm-verify's routing record (``record_routes``): each layer call appends its
+# top-k expert ids (None where the layer routes nothing).
+_routes: Optional[list] = None
+
+
+@contextlib.contextmanager
+def record_routes():
+    """Collect every layer call's routed expert ids [positions, k], in call order
+    (the per-layer diagnostic compares them with the reference's router). A
+    layer whose experts are fused in one compiled graph runs its two halves
+    uncompiled meanwhile, so the ids can leave it."""
+    global _routes
+    saved, _routes = _routes, []
+    try:
+        yield _routes
+    finally:
+        _routes = saved
+
+
 NORMS = (
     "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
     "post_feedforward_layernorm", "pre_feedforward_layernorm_2",
@@ -332,6 +352,7 @@ class DecoderLayer(nn.Module):
         for name in NORMS:
             setattr(self, name, RMSNorm(H, eps))
         self.layer_scalar = mx.ones((1,))
+        self.index = index
         self._compiled = None
 
     def _project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
@@ -389,11 +410,17 @@ class DecoderLayer(nn.Module):
         else:
             attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
         if attention_only:
+            if _routes is not None:
+                _routes.append(None)
             return None
         scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
+        if _routes is not None and not isinstance(finish, tuple):
+            finish = (self._mix, self._combine)
         if isinstance(finish, tuple):  # compiled around eager experts
             mix, combine = finish
             h, m1, xe, weights, idx = mix(x, attn)
+            if _routes is not None:
+                _routes.append(idx)
             return combine(h, m1, self.experts(xe, idx, weights, x.shape[0]), scalar)
         return finish(x, attn, scalar)
 
