@@ -132,9 +132,9 @@ def per_call_everywhere(monkeypatch):
     kinds = []
     real = quantized.dequantized
 
-    def counted(module, start=None, stop=None, expert=None):
+    def counted(module, start=None, stop=None, expert=None, after=None):
         kinds.append("expert" if expert is not None else "slice" if start is not None else "whole")
-        return real(module, start, stop, expert)
+        return real(module, start, stop, expert, after)
 
     monkeypatch.setattr(quantized, "dequantized", counted)
     return kinds
