@@ -20,8 +20,8 @@ Routing (MoE families whose adapter has ``reference_routers``): the stacks
 named ``<stack>:routes`` hold, per layer, the reference router's float32
 probabilities [positions, experts] and MLX's routed expert ids [positions, k].
 ``routing`` counts the positions whose top-k sets differ and, for the first
-such flip, the reference's own margin between its k-th and (k+1)-th expert:
-a flip at a margin the size of the cross-framework rounding is a near-tie,
+such flip, the reference's own margin for the expert MLX took instead (a
+router-logit gap): a flip at a margin the size of the cross-framework rounding is a near-tie,
 which no implementation avoids and which random weights then amplify.
 """
 
@@ -171,8 +171,10 @@ def agreement(ref: dict, mlx: dict, prec: Precision, overrides: Optional[dict] =
 def route_flips(probs: np.ndarray, ids: np.ndarray) -> list[dict]:
     """Positions where MLX's top-k expert set (``ids`` [P, k]) differs from the
     reference's (the k largest of ``probs`` [P, E]): the experts each side
-    alone chose, and the reference's margins: between the k-th and (k+1)-th
-    probability, and between its k-th and the best expert MLX chose instead."""
+    alone chose, and the reference's margins as router-logit gaps (log
+    probabilities: scale-free, whatever the number of experts): ``gap``
+    between its k-th expert and the best one MLX chose instead, ``margin``
+    between its k-th and (k+1)-th."""
     p = np.asarray(probs, np.float64)
     ids = np.asarray(ids).astype(np.int64)
     k = ids.shape[-1]
@@ -182,10 +184,11 @@ def route_flips(probs: np.ndarray, ids: np.ndarray) -> list[dict]:
     for pos in np.flatnonzero((ref_sets != np.sort(ids, axis=-1)).any(axis=-1)):
         ours, theirs = set(ref_sets[pos].tolist()), set(ids[pos].tolist())
         only_mlx, only_ref = sorted(theirs - ours), sorted(ours - theirs)
-        kth = p[pos, order[pos, k - 1]]
+        logp = np.log(np.maximum(p[pos], 1e-300))
+        kth = logp[order[pos, k - 1]]
         flips.append(dict(position=int(pos), mlx_only=only_mlx, reference_only=only_ref,
-                          margin=float(kth - p[pos, order[pos, k]]),
-                          gap=float(kth - max(p[pos, e] for e in only_mlx))))
+                          margin=float(kth - logp[order[pos, k]]),
+                          gap=float(kth - max(logp[e] for e in only_mlx))))
     return flips
 
 

@@ -22,6 +22,7 @@ timings in its run's meta (saved in bundles).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from . import bundle as B
 from . import checks as C
 from . import layers as L
 from . import memory as M
+from . import routes as R
 from . import streaming as S
 from .budget import STREAMED_BUDGET, WHOLE_BUDGET
 from .store import ArrayStore
@@ -116,6 +118,11 @@ def _layer_cases(adapter, cases, images) -> list[str]:
 
 
 def _reference_logits(adapter, ref, case, done, hidden: dict, layer_cases):
+    with R.job(f"logits:{case.name}"):  # the pass whose routing the same-weights reference follows
+        return _reference_case(adapter, ref, case, done, hidden, layer_cases)
+
+
+def _reference_case(adapter, ref, case, done, hidden: dict, layer_cases):
     if case.name not in layer_cases:
         return adapter.reference_logits(ref, case, done)
     stacks = adapter.reference_layers(ref)
@@ -128,12 +135,20 @@ def _reference_logits(adapter, ref, case, done, hidden: dict, layer_cases):
 
 
 def _mlx_logits(adapter, loaded, case, hidden: dict, layer_cases):
-    if case.name not in layer_cases:
-        return adapter.mlx_logits(loaded, case)
-    collect: dict = {}
-    out = adapter.mlx_logits(loaded, case, collect=collect)
-    hidden[case.name] = collect
-    return out
+    with R.job(f"logits:{case.name}"):
+        if case.name not in layer_cases:
+            return adapter.mlx_logits(loaded, case)
+        collect: dict = {}
+        out = adapter.mlx_logits(loaded, case, collect=collect)
+        hidden[case.name] = collect
+        return out
+
+
+def _routing(adapter, name: str, *args):
+    """The adapter's routing hook (``record_mlx_routes`` / ``force_reference_routes``,
+    dlm.verify.routes) as a context, or nothing for a family without one."""
+    hook = getattr(adapter, name, None)
+    return hook(*args) if callable(hook) and args[1] is not None else contextlib.nullcontext()
 
 
 def _waves(adapter, cases) -> list[list]:
@@ -149,7 +164,20 @@ def _forwards(streams) -> int:
 
 
 def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress, label,
-                   images=None, layer_cases=()) -> B.ReferenceRun:
+                   images=None, layer_cases=(), routes: Optional[R.RouteLog] = None) -> B.ReferenceRun:
+    """The reference's logits, commit streams and image passes; with ``routes``
+    (MLX's routing), routed as MLX routed (dlm.verify.routes)."""
+    forced = R.Forced()
+    with _routing(adapter, "force_reference_routes", ref, routes, forced):
+        run = _reference_passes(adapter, ref, cases, prompts, stream_idx, settings, progress, label, images,
+                                layer_cases)
+    if routes is not None and forced.forced + forced.unforced:
+        run.meta["routing"] = forced.summary()
+    return run
+
+
+def _reference_passes(adapter, ref, cases, prompts, stream_idx, settings, progress, label, images,
+                      layer_cases) -> B.ReferenceRun:
     # Logits on disk, one case read at a time (268 MB a case at the released size).
     run = B.ReferenceRun(logits=ArrayStore(), image_logits=ArrayStore())
     timings: dict = {}
@@ -173,7 +201,8 @@ def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress,
     t = time.perf_counter()
     with M.phase(f"{label}: commit streams"):
         for i in _tqdm(stream_idx, f"{label}: commit streams", progress):
-            run.streams.append(adapter.reference_commit_stream(ref, prompts[i], settings))
+            with R.job(f"stream:{i}"):
+                run.streams.append(adapter.reference_commit_stream(ref, prompts[i], settings))
     timings["streams"] = time.perf_counter() - t
     timings["stream_forwards"] = _forwards(run.streams)
     if images is not None:
@@ -303,7 +332,7 @@ def _release(loaded) -> None:
 
 
 def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Options,
-                 loaded=None) -> B.ReferenceRun:
+                 loaded=None, routes: Optional[R.RouteLog] = None) -> B.ReferenceRun:
     """The reference with exactly the converted model's (dequantized) weights,
     in float32: what is left against MLX is its compute precision, and bugs.
 
@@ -334,7 +363,7 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
     images, _ = I.usable(adapter, config, bundle, options)
     run = _run_reference(adapter, ref, bundle.cases, bundle.prompts, bundle.stream_prompts,
                          bundle.settings, options.progress, "reference (MLX weights)", images,
-                         _bundle_layer_cases(adapter, bundle, images))
+                         _bundle_layer_cases(adapter, bundle, images), routes=routes)
     run.meta["timings"]["load"] = round(load_s, 3)
     run.meta.update(dtype=dtype, fingerprint=W.fingerprint(mlx_dir), versions=_versions(),
                     mode="streamed" if streamed else "whole", mode_reason=why, bytes=need,
@@ -484,25 +513,29 @@ def _run_parity(mlx_dir, options: Options) -> Report:
         notes.append(image_note)
     layer_cases = _bundle_layer_cases(adapter, bundle, images)
     mlx_hidden: dict = {}
-    t = time.perf_counter()
-    mlx_logits = ArrayStore()
-    with M.phase("MLX: logits"):
-        for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
-            mlx_logits[case.name] = _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases)
-    mlx_t["logits"] = time.perf_counter() - t
-    t = time.perf_counter()
-    mlx_streams = []
-    with M.phase("MLX: commit streams"):
-        for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
-            mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
-    mlx_t["streams"] = time.perf_counter() - t
-    mlx_t["stream_forwards"] = _forwards(mlx_streams)
-    mlx_images = None
-    if images:
+    routes = R.RouteLog() if options.implementation else None  # what the same-weights reference follows
+    with _routing(adapter, "record_mlx_routes", loaded, routes):
         t = time.perf_counter()
-        mlx_images = I.run_mlx(adapter, loaded, images, bundle.settings, options.progress,
-                               logits=lambda case: _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases))
-        mlx_t["images"] = time.perf_counter() - t
+        mlx_logits = ArrayStore()
+        with M.phase("MLX: logits"):
+            for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
+                mlx_logits[case.name] = _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases)
+        mlx_t["logits"] = time.perf_counter() - t
+        t = time.perf_counter()
+        mlx_streams = []
+        with M.phase("MLX: commit streams"):
+            for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
+                with R.job(f"stream:{i}"):
+                    mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
+        mlx_t["streams"] = time.perf_counter() - t
+        mlx_t["stream_forwards"] = _forwards(mlx_streams)
+        mlx_images = None
+        if images:
+            t = time.perf_counter()
+            mlx_images = I.run_mlx(adapter, loaded, images, bundle.settings, options.progress,
+                                   logits=lambda case: _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases))
+            mlx_t["images"] = time.perf_counter() - t
+    routes = routes if routes else None  # nothing recorded: a family without routing hooks
     timings["mlx"] = _rounded(mlx_t)
     _release(loaded)  # everything below needs only its outputs (and loaded.upcast)
 
@@ -523,7 +556,8 @@ def _run_parity(mlx_dir, options: Options) -> Report:
                 if same:
                     matched, matched_note = bundle.original, same
                 else:
-                    matched = _matched_run(mlx_dir, bundle, family, adapter, options, loaded=loaded)
+                    matched = _matched_run(mlx_dir, bundle, family, adapter, options, loaded=loaded,
+                                           routes=routes)
                     matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
                     if matched.meta.get("mode") == "streamed":
                         matched_note += ", layer-streamed"
@@ -547,6 +581,9 @@ def _run_parity(mlx_dir, options: Options) -> Report:
     if matched is not None:
         results.append(C.check_logits("implementation", matched.logits, mlx_logits, prec, thr,
                                       note=matched_note))
+        if matched.meta.get("routing") and not reused:
+            R.judge(results[-1], matched.meta["routing"], prec, thr)
+            notes.append(R.describe(matched.meta["routing"]))
     else:
         results.append(C.skipped("implementation", matched_note))
     td = time.perf_counter()

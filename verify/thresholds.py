@@ -86,6 +86,10 @@ DEFAULTS: dict[str, dict[str, dict[str, Bound]]] = {
         "q8": {"cosine_min": (">=", 0.99)},
         "q4": {"cosine_min": (">=", 0.95)},
     },
+    # MoE routing of the same-weights reference (dlm.verify.routes): the largest
+    # margin by which the reference's own top-k led an expert MLX chose instead,
+    # as a router-logit gap (log-probabilities); a flip within it is rounding.
+    "routing": {"float32": {"margin_max": ("<=", 1e-3)}, "half": {"margin_max": ("<=", 0.25)}},
     "commit_stream": {
         "float32": {"identical_fraction": (">=", 1.0), "steps_match_fraction": (">=", 1.0)},
         "half": {"explained_fraction": (">=", 1.0), "token_match": (">=", None),
@@ -100,7 +104,7 @@ TIE_TOLERANCE = {"float32": 1e-3, "half": 0.25, "q8": 0.5, "q4": 1.0}
 
 def precision_class(check: str, label: str, compute_dtype: str, bits: int | None) -> str:
     """Which column of DEFAULTS applies to a model."""
-    if check in ("implementation", "commit_stream") or bits is None:
+    if check in ("implementation", "commit_stream", "routing") or bits is None:
         return "float32" if compute_dtype == "float32" else "half"
     return "q8" if bits >= 8 else "q4"
 

@@ -29,6 +29,7 @@ from .loading import (  # noqa: F401  (the protocol's load_reference / reference
     reference_layers,
     reference_routers,
 )
+from .routing import force_reference_routes, record_mlx_routes  # noqa: F401  (dlm.verify.routes)
 from .images import (  # noqa: F401  (the adapter's image hooks)
     VISION_PREFIXES,
     has_vision,

@@ -313,23 +313,29 @@ class Experts(nn.Module):
         return (y.astype(mx.float32) * weights[..., None]).sum(axis=1).astype(x.dtype)
 
 
-# dlm-verify's routing record (``record_routes``): each layer call appends its
-# top-k expert ids (None where the layer routes nothing).
-_routes: Optional[list] = None
+# dlm-verify's routing records (``record_routes``): each layer call appends its
+# top-k expert ids (None where the layer routes nothing) to every open record.
+_records: list[list] = []
+
+
+def _record(idx: Optional[mx.array]) -> None:
+    for record in _records:
+        record.append(idx)
 
 
 @contextlib.contextmanager
 def record_routes():
     """Collect every layer call's routed expert ids [positions, k], in call order
-    (the per-layer diagnostic compares them with the reference's router). A
-    layer whose experts are fused in one compiled graph runs its two halves
-    uncompiled meanwhile, so the ids can leave it."""
-    global _routes
-    saved, _routes = _routes, []
+    (dlm-verify compares them with the reference's router, and makes the
+    reference follow them). Records nest. A layer whose experts are fused in
+    one compiled graph runs its two halves uncompiled meanwhile, so the ids
+    can leave it."""
+    record: list = []
+    _records.append(record)
     try:
-        yield _routes
+        yield record
     finally:
-        _routes = saved
+        _records.remove(record)
 
 
 NORMS = (
@@ -410,17 +416,15 @@ class DecoderLayer(nn.Module):
         else:
             attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
         if attention_only:
-            if _routes is not None:
-                _routes.append(None)
+            _record(None)
             return None
         scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
-        if _routes is not None and not isinstance(finish, tuple):
+        if _records and not isinstance(finish, tuple):
             finish = (self._mix, self._combine)
         if isinstance(finish, tuple):  # compiled around eager experts
             mix, combine = finish
             h, m1, xe, weights, idx = mix(x, attn)
-            if _routes is not None:
-                _routes.append(idx)
+            _record(idx)
             return combine(h, m1, self.experts(xe, idx, weights, x.shape[0]), scalar)
         return finish(x, attn, scalar)
 
