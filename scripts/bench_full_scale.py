@@ -41,8 +41,10 @@ Measured (this 2-core, 24 GiB shared machine, MLX CPU backend; README "Benchmark
 DiffusionGemma build 336 s, convert 402 s / 0.20 GB peak RSS -> 15.41 GB, generate 1046 s / 19.0 GB peak RSS,
 208 s per denoising step; LLaDA2.0-mini build 558 s, convert 329 s / 1.14 GB -> 9.61 GB, generate 217 s /
 12.0 GB, 38.6 s per step. The full-size DiffusionGemma verify with the default streamed budget but one stream
-step (``--keep --skip-generate --verify-arg=--steps=1``): 6459 s, peak RSS 21.0 GB (reference logits 294 s, MLX
-logits 4010 s, same-weights logits 831 s); a default-budget run (4 steps) is estimated at ~2.6 hours here.
+step (``--keep --reuse-output --skip-generate --verify-arg=--steps=1``), the 4-bit model dequantized per call and
+the same-weights reference following MLX's routing: 2517 s, peak RSS 21.0 GB (reference logits 521 s, MLX logits
+492 s, same-weights logits 675 s; 6459 s before, on the quantized kernels); generate, dequantized per call, 55.3 s
+per denoising step against 205.3 s on the quantized kernels (``DLM_CPU_DEQUANTIZE=kernels``), one after the other.
 """
 
 from __future__ import annotations
