@@ -23,8 +23,9 @@ their passes use:
 * encoder rows by a chain hash of every token the encoder has seen through
   that cache up to the row (the encoder is causal; a prompt's shared prefill
   carries its chain on the cache object);
-* decoder rows by (pass, its n-th decoder forward, canvas position); a pass
-  is a logits case or a commit stream, named by the suite in ``job``.
+* decoder rows by (pass, the cache's chain, the canvas tokens, the how-many-th
+  forward of the pass on that pair, position); a pass is a logits case or a
+  commit stream, named by the suite in ``job``.
 
 Rows with images (features, not tokens alone) are not keyed: they keep the
 reference's own routing and are counted as unforced.
@@ -69,14 +70,19 @@ def encoder_keys(cache, tokens: list[int], keyed: bool = True) -> list:
     return new
 
 
-def decoder_keys(rows: int) -> list:
-    """Row keys of this thread's next decoder forward over ``rows`` canvas positions."""
+def decoder_keys(cache, canvas: list[int]) -> list:
+    """Row keys of a decoder forward over ``canvas`` reading ``cache``: the pass,
+    the cache's chain (what the encoder has seen), the canvas tokens and how
+    often this pass has met that pair before (its later steps), and the
+    position. A forward one side makes and the other does not finds no key."""
     name = getattr(_local, "job", None)
-    if name is None:
-        return [None] * rows
-    n = _local.ordinals.get("decoder", 0)
-    _local.ordinals["decoder"] = n + 1
-    return [(name, n, r) for r in range(rows)]
+    chain = getattr(cache, CHAIN, None) or [0]
+    if name is None or chain[-1] is None:
+        return [None] * len(canvas)
+    seen = (chain[-1], hash(tuple(int(t) for t in canvas)))
+    n = _local.ordinals.get(seen, 0)
+    _local.ordinals[seen] = n + 1
+    return [(name, seen, n, r) for r in range(len(canvas))]
 
 
 class RouteLog:

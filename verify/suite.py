@@ -22,7 +22,6 @@ timings in its run's meta (saved in bundles).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from . import bundle as B
 from . import checks as C
 from . import layers as L
 from . import memory as M
+from . import passes as P
 from . import routes as R
 from . import streaming as S
 from .budget import STREAMED_BUDGET, WHOLE_BUDGET
@@ -109,48 +109,6 @@ def _budget(options: Options, streamed: bool) -> dict:
     return {k: default[k] if getattr(options, k) == AUTO else getattr(options, k) for k in default}
 
 
-def _layer_cases(adapter, cases, images) -> list[str]:
-    """The cases whose per-layer hidden states are compared: the first logits
-    case and the first image case (none for a family without reference_layers)."""
-    if not callable(getattr(adapter, "reference_layers", None)) or not cases:
-        return []
-    return [cases[0].name] + ([images.cases[0].name] if images is not None and images.cases else [])
-
-
-def _reference_logits(adapter, ref, case, done, hidden: dict, layer_cases):
-    with R.job(f"logits:{case.name}"):  # the pass whose routing the same-weights reference follows
-        return _reference_case(adapter, ref, case, done, hidden, layer_cases)
-
-
-def _reference_case(adapter, ref, case, done, hidden: dict, layer_cases):
-    if case.name not in layer_cases:
-        return adapter.reference_logits(ref, case, done)
-    stacks = adapter.reference_layers(ref)
-    routers = getattr(adapter, "reference_routers", None)
-    stacks.update(routers(ref) if callable(routers) else {})  # the routing diagnostic's router probabilities
-    with L.capture(stacks) as calls:
-        out = adapter.reference_logits(ref, case, done)
-    hidden[case.name] = L.result(calls, stacks)
-    return out
-
-
-def _mlx_logits(adapter, loaded, case, hidden: dict, layer_cases):
-    with R.job(f"logits:{case.name}"):
-        if case.name not in layer_cases:
-            return adapter.mlx_logits(loaded, case)
-        collect: dict = {}
-        out = adapter.mlx_logits(loaded, case, collect=collect)
-        hidden[case.name] = collect
-        return out
-
-
-def _routing(adapter, name: str, *args):
-    """The adapter's routing hook (``record_mlx_routes`` / ``force_reference_routes``,
-    dlm.verify.routes) as a context, or nothing for a family without one."""
-    hook = getattr(adapter, name, None)
-    return hook(*args) if callable(hook) and args[1] is not None else contextlib.nullcontext()
-
-
 def _waves(adapter, cases) -> list[list]:
     """The cases in waves whose members need nothing of each other (the
     adapter's ``case_waves``; default: one wave)."""
@@ -168,7 +126,7 @@ def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress,
     """The reference's logits, commit streams and image passes; with ``routes``
     (MLX's routing), routed as MLX routed (dlm.verify.routes)."""
     forced = R.Forced()
-    with _routing(adapter, "force_reference_routes", ref, routes, forced):
+    with P.routing(adapter, "force_reference_routes", ref, routes, forced):
         run = _reference_passes(adapter, ref, cases, prompts, stream_idx, settings, progress, label, images,
                                 layer_cases)
     if routes is not None and forced.forced + forced.unforced:
@@ -188,11 +146,11 @@ def _reference_passes(adapter, ref, cases, prompts, stream_idx, settings, progre
     with M.phase(f"{label}: logits"):
         if streamer is None:
             for case in _tqdm(cases, f"{label}: logits", progress):
-                run.logits[case.name] = _reference_logits(adapter, ref, case, run.logits, run.hidden, layer_cases)
+                run.logits[case.name] = P.reference_logits(adapter, ref, case, run.logits, run.hidden, layer_cases)
         else:  # layer-streamed: independent cases share each layer read (dlm.verify.lockstep)
             loads = streamer.layer_loads
             for wave in _tqdm(_waves(adapter, cases), f"{label}: logits (cases run together)", progress):
-                jobs = [functools.partial(_reference_logits, adapter, ref, case, run.logits, run.hidden,
+                jobs = [functools.partial(P.reference_logits, adapter, ref, case, run.logits, run.hidden,
                                           layer_cases) for case in wave]
                 for case, logits in zip(wave, streamer.lockstep(jobs)):
                     run.logits[case.name] = logits
@@ -209,7 +167,7 @@ def _reference_passes(adapter, ref, cases, prompts, stream_idx, settings, progre
         t = time.perf_counter()
 
         def logits(case, done):
-            return _reference_logits(adapter, ref, case, done, run.hidden, layer_cases)
+            return P.reference_logits(adapter, ref, case, done, run.hidden, layer_cases)
 
         I.run_reference(adapter, ref, images, settings, run, progress, label, logits=logits)
         timings["images"] = time.perf_counter() - t
@@ -272,7 +230,7 @@ def _record(reference: str, options: Options, mlx_dir: Optional[Path], expect_fa
     budgeted = Options(**{**options.__dict__, **budget})
     images, image_note = I.record_images(adapter, ref_path, config, generation_config, budgeted)
     original = _run_reference(adapter, ref, cases, prompts, stream_idx, settings, options.progress, "reference",
-                              images, _layer_cases(adapter, cases, images))
+                              images, P.layer_cases(adapter, cases, images))
     original.meta["timings"]["load"] = round(load_s, 3)
     local = Path(reference).expanduser().is_dir()
     original.meta.update(source=str(ref_path.resolve()) if local else reference,
@@ -302,7 +260,7 @@ def _sliding_window(config: dict) -> Optional[int]:
 def _bundle_layer_cases(adapter, bundle: B.Bundle, images) -> list[str]:
     """The cases the bundle's reference captured hidden states for (older
     bundles: the suite's choice)."""
-    return list(bundle.original.hidden) or _layer_cases(adapter, bundle.cases, images)
+    return list(bundle.original.hidden) or P.layer_cases(adapter, bundle.cases, images)
 
 
 def _mlx_bytes(loaded) -> int:
@@ -514,12 +472,12 @@ def _run_parity(mlx_dir, options: Options) -> Report:
     layer_cases = _bundle_layer_cases(adapter, bundle, images)
     mlx_hidden: dict = {}
     routes = R.RouteLog() if options.implementation else None  # what the same-weights reference follows
-    with _routing(adapter, "record_mlx_routes", loaded, routes):
+    with P.routing(adapter, "record_mlx_routes", loaded, routes):
         t = time.perf_counter()
         mlx_logits = ArrayStore()
         with M.phase("MLX: logits"):
             for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
-                mlx_logits[case.name] = _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases)
+                mlx_logits[case.name] = P.mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases)
         mlx_t["logits"] = time.perf_counter() - t
         t = time.perf_counter()
         mlx_streams = []
@@ -533,7 +491,7 @@ def _run_parity(mlx_dir, options: Options) -> Report:
         if images:
             t = time.perf_counter()
             mlx_images = I.run_mlx(adapter, loaded, images, bundle.settings, options.progress,
-                                   logits=lambda case: _mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases))
+                                   logits=lambda case: P.mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases))
             mlx_t["images"] = time.perf_counter() - t
     routes = routes if routes else None  # nothing recorded: a family without routing hooks
     timings["mlx"] = _rounded(mlx_t)

@@ -45,7 +45,7 @@ def record_mlx_routes(loaded, log: R.RouteLog):
         _put(log, "encoder", record, keys)
 
     def decode(canvas, cache, sc_logits=None, offset=None, collect=None):
-        keys = R.decoder_keys(int(np.array(canvas).shape[-1]))
+        keys = R.decoder_keys(cache[0], np.array(canvas).reshape(-1).tolist())
         with layer_routes() as record:
             out = real_decode(canvas, cache, sc_logits, offset, collect)
         _put(log, "decoder", record, keys)
@@ -80,7 +80,7 @@ def force_reference_routes(ref, log: R.RouteLog, forced: R.Forced):
 
     def on_decoder(module, args, kwargs):
         ids = kwargs.get("decoder_input_ids", args[0] if args else None)
-        state.current = ("decoder", R.decoder_keys(int(ids.shape[-1])))
+        state.current = ("decoder", R.decoder_keys(kwargs.get("cache"), ids[0].tolist()))
         return None
 
     hooks.append(model.model.encoder.register_forward_pre_hook(on_encoder, with_kwargs=True))
