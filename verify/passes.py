@@ -46,8 +46,9 @@ def mlx_logits(adapter, loaded, case, hidden: dict, layer_cases):
         return out
 
 
-def routing(adapter, name: str, *args):
-    """The adapter's routing hook (``record_mlx_routes`` / ``force_reference_routes``,
-    dlm.verify.routes) as a context, or nothing for a family without one."""
+def routing(adapter, name: str, model, log, *extra):
+    """The adapter's routing hook ``name`` (``record_mlx_routes(loaded, log)`` /
+    ``force_reference_routes(ref, log, forced)``, dlm.verify.routes) as a
+    context; nothing without a ``log`` or for a family without the hook."""
     hook = getattr(adapter, name, None)
-    return hook(*args) if callable(hook) and args[1] is not None else contextlib.nullcontext()
+    return hook(model, log, *extra) if callable(hook) and log is not None else contextlib.nullcontext()

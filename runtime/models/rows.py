@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import quantized  # (quantized.py imports this module inside its functions)
+
 
 def _batched(x: mx.array) -> bool:
     return x.ndim >= 3 and x.shape[0] > 1
@@ -41,8 +43,6 @@ def matmul(x: mx.array, w: mx.array) -> mx.array:
 def linear(module, x: mx.array) -> mx.array:
     """``module(x)`` (an ``nn.Linear``, or a quantized one), one GEMM per sequence."""
     if "scales" in module:
-        from . import quantized
-
         return quantized.linear(module, x) if quantized.wants(module, x) else module(x)
     if not _batched(x):
         return module(x)
@@ -55,8 +55,6 @@ def linear(module, x: mx.array) -> mx.array:
 def as_linear(embedding, x: mx.array) -> mx.array:
     """``embedding.as_linear(x)`` (tied output head), one GEMM per sequence."""
     if "scales" in embedding:
-        from . import quantized
-
         return quantized.linear(embedding, x) if quantized.wants(embedding, x) else embedding.as_linear(x)
     if not _batched(x):
         return embedding.as_linear(x)
