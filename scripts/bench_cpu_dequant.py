@@ -6,8 +6,9 @@ For each piece of a denoising step (the released google/diffusiongemma-26B-A4B-i
 2816, 8-bit attention projections and dense MLP, 4-bit experts 704 wide, an 8-bit tied head), one
 ``mx.eval`` of: MLX's quantized kernel (``quantized_matmul``, rows split over the CPU streams as the
 runtime runs it) and dlm's per-call path (dlm.runtime.models.quantized: the weight dequantized to
-float32 just before a BLAS GEMM). Repeats are interleaved; median and min per piece, the ratio and the
-max |difference| between the two (the same dequantized weights: float32 rounding only).
+float32 just before a BLAS GEMM). Repeats are interleaved; median and min per piece, the ratio, the
+max |difference| between the two (the same dequantized weights: float32 rounding only) and each path's peak
+memory beyond what it held before (the output included).
 Measured (2-core shared machine, OpenBLAS, a full-size dlm-run generate running beside it, so absolute
 times are inflated and only the ratios count): see the README's "Benchmarks" section.
 """
@@ -31,6 +32,7 @@ PIECES = [  # name, rows, out, in, bits
     ("o_proj, canvas (256 rows)", 256, H, 4096, 8),
     ("q_proj, prompt (54 rows)", 54, 4096, H, 8),
     ("tied head, 16384-token vocab slice", 256, 16384, H, 8),
+    ("tied head, the released 262144-token vocabulary", 256, 262144, H, 8),
 ]
 EXPERTS = 8  # a sample of the 128 experts, each 16 rows (256 positions x top-8 / 128)
 
@@ -84,6 +86,17 @@ def _time(fn) -> float:
     return time.perf_counter() - t
 
 
+def _peak(fn) -> float:
+    """GB the call allocates at its peak beyond what was held before."""
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    out = fn()
+    mx.eval(out)
+    del out
+    return (mx.get_peak_memory() - base) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -98,16 +111,18 @@ def main() -> None:
                       lambda q=q, x=x: _per_call(q, x), 2 * rows * out * inn))
     kernel, per_call = _experts()
     cases.append((f"{EXPERTS} experts x 16 rows, {2 * 704}x{H} 4-bit", kernel, per_call, 2 * 16 * 2 * 704 * H * EXPERTS))
-    print(f"{'piece':58} {'kernel ms':>16} {'per call ms':>16} {'ratio':>6} {'max|d|':>8}")
+    print(f"{'piece':58} {'kernel ms':>16} {'per call ms':>16} {'ratio':>6} {'max|d|':>8} {'peak GB k/p':>12}")
     for name, k, p, flops in cases:
         diff = float(mx.abs(k() - p()).max())
+        peaks = _peak(k), _peak(p)
         tk, tp = [], []
         for _ in range(args.repeats):  # interleaved
             tk.append(_time(k))
             tp.append(_time(p))
         mk, mp = statistics.median(tk), statistics.median(tp)
         print(f"{name:58} {mk * 1e3:8.1f} ({min(tk) * 1e3:6.1f}) {mp * 1e3:8.1f} ({min(tp) * 1e3:6.1f}) "
-              f"{mk / mp:5.1f}x {diff:8.1e}   [{flops / mk / 1e9:.1f} vs {flops / mp / 1e9:.1f} GFLOP/s]")
+              f"{mk / mp:5.1f}x {diff:8.1e} {peaks[0]:5.2f}/{peaks[1]:5.2f}   "
+              f"[{flops / mk / 1e9:.1f} vs {flops / mp / 1e9:.1f} GFLOP/s]")
 
 
 if __name__ == "__main__":

@@ -94,8 +94,9 @@ def _pieces(module, piece) -> list:
     the slices taking turns on the CPU streams (dequantizing is single-threaded).
     A slice is not dequantized before the piece AHEAD turns back is computed:
     left alone, MLX's scheduler dequantizes most slices of a head before their
-    GEMMs run. Measured, the 8-bit tied head at the released vocabulary over
-    256 rows: +2.5 GB peak without, +0.70 GB with (0.54 GB of it the output)."""
+    GEMMs run. The 8-bit tied head at the released vocabulary over 256 rows:
+    +2.5 GB peak without (a probe before this change), +0.70 GB with
+    (scripts/bench_cpu_dequant.py; the quantized kernel: 0.54 GB, the output)."""
     slices = _slices(module)
     streams = cpu_streams() if len(slices) > 1 else []
     ahead = AHEAD * max(1, len(streams))
