@@ -60,7 +60,9 @@ def _assert_same_run(a: B.ReferenceRun, b: B.ReferenceRun, tol: float = 1e-6):
         for stack, layers in a.hidden[case].items():
             assert len(layers) == len(b.hidden[case][stack])
             for x, y in zip(layers, b.hidden[case][stack]):
-                assert np.abs(x - y).max() <= tol, (case, stack)
+                assert (x is None) == (y is None), (case, stack, [v is None for v in layers], [v is None for v in b.hidden[case][stack]])
+                if x is not None:
+                    assert np.abs(x - y).max() <= tol, (case, stack)
 
 
 def _same_verdicts(a, b, tol: float = 1e-6):
@@ -87,7 +89,11 @@ def test_streamed_diffusion_gemma_equals_whole_through_bundles(tiny_dg_dir, tiny
     # A recorded bundle carries each reference phase's resident peak.
     assert saved[1].original.meta["rss_gb"]["reference: logits"]["peak"] > 0
     assert set(saved[1].matched.meta["rss_gb"]) == {"reference (MLX weights): logits",
-                                                     "reference (MLX weights): commit streams"}
+                                                     "reference (MLX weights): commit streams",
+                                                     "reference (MLX weights): layer-local"}
+    # The layer-local record (dlm.verify.local): inputs, outputs, routers and logits of the first case.
+    local = saved[1].matched.hidden["local:p0.arange"]
+    assert {"encoder:inputs", "decoder:inputs", "logits"} <= set(local) and len(local["encoder:inputs"]) == 6
     for a, b in ((whole, streamed), tuple(saved)):
         _assert_same_run(a.original, b.original)
         _assert_same_run(a.matched, b.matched)
@@ -107,6 +113,9 @@ def test_streamed_diffusion_gemma_equals_whole_through_bundles(tiny_dg_dir, tiny
     assert doc["streaming"]["implementation"] == "streamed" and "layers" in doc
     assert "Per-layer hidden states" in reports[1].card_markdown()
     assert "layer by layer" in reports[1].table()
+    row = next(c for c in reports[1].checks if c.name == "implementation_layers")
+    assert row.status == "pass" and row.metrics["stages"] == 2 + 5 + 6 + 1  # two inputs, the layers, the logits
+    assert row.metrics["rel_max"] < 1e-5, row.metrics
 
 
 def test_streamed_diffusion_gemma_with_images_equals_whole(tiny_dg_vision_dir, tiny_dg_vision_mlx_dir):
@@ -248,6 +257,7 @@ def test_an_unquantized_conversion_reuses_the_original_reference(tiny_llada2_mlx
     report = run_parity(tiny_llada2_mlx_dir, verify_options(reference=str(hf), long_prompt=False, stream_prompts=0))
     impl = {c.name: c for c in report.checks}["implementation"]
     assert impl.status == "pass" and "not run twice" in impl.note, impl.note
+    assert {c.name: c for c in report.checks}["implementation_layers"].status == "pass"
     assert "load" not in report.timings["implementation"]  # nothing was loaded for it
     # One weight changed in the MLX copy: now the weights differ, so the reference runs on them.
     import mlx.core as mx
@@ -261,6 +271,10 @@ def test_an_unquantized_conversion_reuses_the_original_reference(tiny_llada2_mlx
     report = run_parity(changed, verify_options(reference=str(hf), long_prompt=False, stream_prompts=0))
     impl = {c.name: c for c in report.checks}["implementation"]
     assert impl.status == "pass" and "reference run with the MLX weights" in impl.note, impl.note
+    # Both ways the layer-local row ran (from the original's record, then the same-weights one).
+    local = {c.name: c for c in report.checks}["implementation_layers"]
+    n = len(next(iter(report.layers["implementation"]["cases"].values()))["stacks"]["layers"])
+    assert local.status == "pass" and local.metrics["stages"] == 1 + n + 1 and local.metrics["rel_max"] < 1e-5
 
 
 def test_auto_mode_streams_the_same_weights_reference_when_all_of_it_does_not_fit(tiny_llada2_mlx_dir,
@@ -510,6 +524,54 @@ def test_layer_diagnostic_finds_a_routing_flip(tiny_dg_dir, tiny_dg_mlx_dir, mon
     div = summary["first_divergence"]
     assert (div["stack"], div["layer"], div["position"], div["positions_below"]) == ("decoder", 1, 3, 1)
     assert "where the hidden states first diverge" in L.describe(summary)
+
+
+def test_layer_local_check_fails_on_a_clear_routing_flip(tiny_dg_dir, tiny_dg_mlx_dir, monkeypatch):
+    """The layer-local row (a float32 conversion: from the original reference's
+    record) passes as is, and fails on a flip at a clear router margin, naming
+    the layer and position; that position is left out of the layer's numbers."""
+    options = verify_options(reference=str(tiny_dg_dir), long_prompt=False, stream_prompts=0, stream_layers=True)
+    row = next(c for c in run_parity(tiny_dg_mlx_dir, options).checks if c.name == "implementation_layers")
+    assert row.status == "pass" and row.metrics["routing_flips"] == 0 and row.metrics["excused"] == 0
+
+    _flip_decoder_layer_1_position_3(monkeypatch)
+    row = next(c for c in run_parity(tiny_dg_mlx_dir, options).checks if c.name == "implementation_layers")
+    assert row.status == "fail" and row.metrics["routing_flips"] == 1
+    assert any("decoder layer 1 position 3" in f for f in row.failures), row.failures
+    stage = next(r for r in row.details["cases"]["p0.arange"]["stages"] if r["stage"] == "decoder 1")
+    assert stage["excused"] == 1 and stage["cosine_min"] > 0.99999
+
+
+def test_layer_local_check_names_only_the_wrong_layer(tiny_dg_dir, tiny_dg_vision_dir, tiny_dg_vision_mlx_dir,
+                                                      tmp_path, monkeypatch):
+    """A bug in one MLX layer (its output off by 1e-3, relative): the end-to-end
+    layers after it inherit the error; fed the reference's input, only that
+    layer (in the encoder and the decoder, which share its code) fails, every
+    other stage agrees to float32 rounding. With images: the image case too."""
+    from dlm.runtime.models.diffusion_gemma.layers import DecoderLayer
+
+    real = DecoderLayer.__call__
+
+    def wrong(self, x, *args, **kwargs):
+        out = real(self, x, *args, **kwargs)
+        if self.index == 2 and out is not None:
+            out = out * (1 + 1e-3 * mx.sin(mx.arange(out.shape[-1], dtype=out.dtype)))
+        return out
+
+    monkeypatch.setattr(DecoderLayer, "__call__", wrong)
+    report = run_parity(tiny_dg_vision_mlx_dir, verify_options(reference=str(tiny_dg_vision_dir),
+                                                               long_prompt=False, stream_prompts=0))
+    row = next(c for c in report.checks if c.name == "implementation_layers")
+    assert row.status == "fail" and any("rel_max" in f for f in row.failures), row.failures
+    cases = row.details["cases"]
+    assert any(c.startswith("image.") for c in cases), list(cases)
+    for case, c in cases.items():
+        bad = {r["stage"] for r in c["stages"] if r["rel_max"] > 1e-4}
+        assert bad == {"encoder 2", "decoder 2"}, (case, bad)
+        assert max(r["rel_max"] for r in c["stages"] if r["stage"] not in bad) < 1e-5, case
+    # End to end, the layers after it carry the error on.
+    later = report.layers["implementation"]["cases"]["p0.arange"]["stacks"]["encoder"][3]
+    assert later["rel_max"] > 1e-4
 
 
 def test_the_same_weights_reference_follows_mlx_routing(tiny_dg_dir, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from .weights import Precision
 TITLES = {
     "logits": "Logits vs the original weights",
     "implementation": "Implementation parity (same weights)",
+    "implementation_layers": "Implementation, layer by layer (fed the reference's input)",
     "drift": "Quantization drift",
     "commit_stream": "Commit streams (deterministic generation)",
     "features": "Image features vs the original weights",

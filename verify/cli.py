@@ -99,13 +99,16 @@ def _fail(exc: Exception, code: int = 2):
               help='JSON overrides {check: {metric: value | [op, value] | null}} (null: informational).')
 @click.option("--no-implementation", is_flag=True,
               help="Skip the implementation-parity check (reference with the MLX weights).")
+@click.option("--no-layer-local", is_flag=True,
+              help="Skip its layer-local row (each MLX layer fed the reference's input, so rounding cannot "
+                   "compound: one more reference and MLX pass of the first case).")
 @click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
               help="On a commit-stream divergence, write a side-by-side HTML trace (reference | MLX, "
                    "every denoising step, the first difference highlighted) per diverging prompt here.")
 @_common
 @click.pass_context
 def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo, thresholds, no_implementation,
-         trace_dir, revision, reference_dtype, prompts_file, no_builtin_prompts, stream_layers, no_images,
+         no_layer_local, trace_dir, revision, reference_dtype, prompts_file, no_builtin_prompts, stream_layers, no_images,
          trust_remote_code, torch_threads, quiet, **budget):
     """Check a converted MLX model against its PyTorch reference (logits,
     implementation parity, quantization drift, debug-canvas commit streams;
@@ -144,7 +147,7 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
             reference=reference, revision=revision, reference_dtype=reference_dtype,
             prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, bundle=bundle,
             **_budget(budget), stream_layers=stream_layers,
-            implementation=not no_implementation, images=not no_images, trust_remote_code=trust_remote_code,
+            implementation=not no_implementation, local=not no_layer_local, images=not no_images, trust_remote_code=trust_remote_code,
             thresholds=load_overrides(thresholds), progress=progress, trace_dir=trace_dir,
         )
         report = run_parity(Path(mlx_dir), options)

@@ -52,3 +52,8 @@ def routing(adapter, name: str, model, log, *extra):
     context; nothing without a ``log`` or for a family without the hook."""
     hook = getattr(adapter, name, None)
     return hook(model, log, *extra) if callable(hook) and log is not None else contextlib.nullcontext()
+
+
+def cases_by_name(cases, images) -> dict:
+    """The logits cases and the image cases (when images run), by name."""
+    return {c.name: c for c in list(cases) + (list(images.cases) if images is not None else [])}

@@ -45,14 +45,17 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     into ``case.arrays`` so that the MLX side and recorded bundles see exactly
     the same inputs; when they are already present, use them unchanged.
 
-``mlx_logits(loaded, case, collect=None) -> np.ndarray``
+``mlx_logits(loaded, case, collect=None, feed=None) -> np.ndarray``
     The same forward pass on the converted MLX model (``loaded``: a
     ``dlm.runtime.loader.LoadedModel``, loaded with ``tokenizer=False``:
     prompts are token ids already), float32 ``[positions, vocab]``. With
     ``reference_layers`` (below), ``collect`` (a dict) gets ``{stack:
     [float32 [positions, hidden] per layer]}``: each layer's output over all of
     the case's positions (the calls concatenated), None for a layer whose
-    output the runtime does not compute.
+    output the runtime does not compute. ``feed`` (with ``collect``; only
+    for families with ``reference_layers``): ``{stack: dlm.verify.local.Feed}``,
+    passed as that stack's ``collect`` list to the model's forward methods,
+    which hands each layer the reference's input (the layer-local check).
 
 ``reference_layers(ref) -> dict[str, list[torch.nn.Module]]`` (optional)
     The reference's layer stacks, in computation order, for the per-layer

@@ -20,6 +20,7 @@ SHOWN = {
     "features": ("max_abs", "mean_abs", "cosine_min", "rel_err"),
     "logits": ("max_abs", "mean_abs", "top1", "top1_tol", "kl_mean", "entropy_diff_max"),
     "implementation": ("max_abs", "mean_abs", "top1", "top1_tol", "kl_mean", "entropy_diff_max"),
+    "implementation_layers": ("cosine_min", "rel_max", "max_abs", "stages", "excused", "routing_flips"),
     "drift": ("kl_mean", "top1", "top1_tol", "commit_match", "reference_steps_per_canvas", "mlx_steps_per_canvas",
               "steps_ratio"),
     "commit_stream": ("identical_fraction", "steps_match_fraction", "explained_fraction", "token_match", "tokens",
@@ -31,7 +32,7 @@ LABELS = {
     "reference_steps_per_canvas": "steps ref", "mlx_steps_per_canvas": "steps mlx",
     "steps_ratio": "steps×", "identical_fraction": "identical", "explained_fraction": "identical~", "steps_match_fraction": "same steps", "token_match": "tokens",
     "tokens": "n", "vs_original_token_match": "vs orig", "cosine_min": "cos min", "cosine_mean": "cos mean",
-    "rel_err": "rel|Δ|",
+    "rel_err": "rel|Δ|", "rel_max": "rel max|Δ|", "excused": "near-ties", "routing_flips": "flips",
 }
 
 

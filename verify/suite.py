@@ -35,6 +35,7 @@ from dlm.runtime.registry import family_for_config
 from . import bundle as B
 from . import checks as C
 from . import layers as L
+from . import local as LOC
 from . import memory as M
 from . import passes as P
 from . import routes as R
@@ -45,6 +46,7 @@ from . import weights as W
 from . import image_suite as I
 from .progress import tqdm as _tqdm
 from .protocol import check_adapter
+from .compat import check_compatible, generation_config_differences, text_config
 from .report import Report
 from .source import recorded_source, resolve_reference
 
@@ -66,16 +68,13 @@ class Options:
     stream_prompts: Union[int, None, str] = "auto"  # prompts that get commit streams (None: all)
     stream_layers: Optional[bool] = None  # layer-streamed references (None: when too big to hold)
     implementation: bool = True  # run check 2 (same weights)
+    local: bool = True  # its layer-local row (dlm.verify.local)
+    local_original: bool = True  # also record it with the original weights (reused for an unquantized model)
     images: bool = True  # image rows (a family with image hooks, a model with a vision tower)
     trust_remote_code: bool = False
     thresholds: dict = field(default_factory=dict)
     progress: bool = True
     trace_dir: Optional[str] = None  # --trace-dir: HTML pages of diverging commit streams
-
-
-def _text_config(config: dict) -> dict:
-    """The language model's config: ``text_config`` when nested (multimodal), else the config."""
-    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
 def _adapter(config: dict, where: str):
@@ -122,15 +121,23 @@ def _forwards(streams) -> int:
 
 
 def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress, label,
-                   images=None, layer_cases=(), routes: Optional[R.RouteLog] = None) -> B.ReferenceRun:
+                   images=None, layer_cases=(), routes: Optional[R.RouteLog] = None,
+                   local: bool = False) -> B.ReferenceRun:
     """The reference's logits, commit streams and image passes; with ``routes``
-    (MLX's routing), routed as MLX routed (dlm.verify.routes)."""
+    (MLX's routing), routed as MLX routed (dlm.verify.routes); with ``local``,
+    the layer-local record of the diagnostic cases (its own routing)."""
     forced = R.Forced()
     with P.routing(adapter, "force_reference_routes", ref, routes, forced):
         run = _reference_passes(adapter, ref, cases, prompts, stream_idx, settings, progress, label, images,
                                 layer_cases)
     if routes is not None and forced.forced + forced.unforced:
         run.meta["routing"] = forced.summary()
+    if local and layer_cases:
+        with M.phase(f"{label}: layer-local"):
+            LOC.record_reference(adapter, ref, run, P.cases_by_name(cases, images), layer_cases, progress)
+    if getattr(ref, "streamer", None) is not None:
+        run.meta["streaming"] = ref.streamer.stats()
+        ref.streamer.close()
     return run
 
 
@@ -173,9 +180,6 @@ def _reference_passes(adapter, ref, cases, prompts, stream_idx, settings, progre
         timings["images"] = time.perf_counter() - t
         timings["image_stream_forwards"] = _forwards(run.image_streams)
     run.meta["timings"] = _rounded(timings)
-    if getattr(ref, "streamer", None) is not None:
-        run.meta["streaming"] = ref.streamer.stats()
-        ref.streamer.close()
     return run
 
 
@@ -230,7 +234,8 @@ def _record(reference: str, options: Options, mlx_dir: Optional[Path], expect_fa
     budgeted = Options(**{**options.__dict__, **budget})
     images, image_note = I.record_images(adapter, ref_path, config, generation_config, budgeted)
     original = _run_reference(adapter, ref, cases, prompts, stream_idx, settings, options.progress, "reference",
-                              images, P.layer_cases(adapter, cases, images))
+                              images, P.layer_cases(adapter, cases, images),
+                              local=options.local and options.local_original)
     original.meta["timings"]["load"] = round(load_s, 3)
     local = Path(reference).expanduser().is_dir()
     original.meta.update(source=str(ref_path.resolve()) if local else reference,
@@ -250,7 +255,7 @@ def _record(reference: str, options: Options, mlx_dir: Optional[Path], expect_fa
 
 
 def _sliding_window(config: dict) -> Optional[int]:
-    text = _text_config(config)
+    text = text_config(config)
     if text.get("use_sliding_window") is False:  # LLaDA-2 carries the key but never uses it
         return None
     value = text.get("sliding_window")
@@ -260,7 +265,8 @@ def _sliding_window(config: dict) -> Optional[int]:
 def _bundle_layer_cases(adapter, bundle: B.Bundle, images) -> list[str]:
     """The cases the bundle's reference captured hidden states for (older
     bundles: the suite's choice)."""
-    return list(bundle.original.hidden) or P.layer_cases(adapter, bundle.cases, images)
+    return ([c for c in bundle.original.hidden if not c.startswith(LOC.PREFIX)]
+            or P.layer_cases(adapter, bundle.cases, images))
 
 
 def _mlx_bytes(loaded) -> int:
@@ -321,7 +327,7 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
     images, _ = I.usable(adapter, config, bundle, options)
     run = _run_reference(adapter, ref, bundle.cases, bundle.prompts, bundle.stream_prompts,
                          bundle.settings, options.progress, "reference (MLX weights)", images,
-                         _bundle_layer_cases(adapter, bundle, images), routes=routes)
+                         _bundle_layer_cases(adapter, bundle, images), routes=routes, local=options.local)
     run.meta["timings"]["load"] = round(load_s, 3)
     run.meta.update(dtype=dtype, fingerprint=W.fingerprint(mlx_dir), versions=_versions(),
                     mode="streamed" if streamed else "whole", mode_reason=why, bytes=need,
@@ -370,34 +376,6 @@ def _scales_mismatch(matched: B.ReferenceRun, mlx_dir: Path, config: dict, upcas
             "(run without --bundle for exactly its weights)")
 
 
-def _generation_config_differences(settings: dict, generation_config: dict) -> list[str]:
-    def norm(x):
-        return x if isinstance(x, list) else [x] if isinstance(x, int) and not isinstance(x, bool) else x
-
-    out = []
-    for key, value in settings.items():
-        if key in generation_config and norm(generation_config[key]) != norm(value):
-            mine = generation_config[key]
-            if isinstance(mine, (int, float)) and isinstance(value, (int, float)) and float(mine) == float(value):
-                continue
-            if key in ("max_denoising_steps", "max_new_tokens", "max_tokens"):
-                continue  # the suite sets its own budgets
-            out.append(f"{key}: {mine!r} vs {value!r}")
-    return out
-
-
-def _check_compatible(bundle: B.Bundle, config: dict, where: str) -> None:
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        a, b = _text_config(bundle.config).get(key), _text_config(config).get(key)
-        if a != b:
-            raise ConfigError(f"{where}: {key} is {b} but the bundle was recorded with {a}")
-    if bundle.config.get("canvas_length") != config.get("canvas_length"):
-        raise ConfigError(
-            f"{where}: canvas_length {config.get('canvas_length')} differs from the bundle's "
-            f"{bundle.config.get('canvas_length')}"
-        )
-
-
 def run_parity(mlx_dir, options: Options) -> Report:
     """Compare a converted MLX directory with its PyTorch reference; the
     report's timings include each phase's peak resident memory (``rss_gb``)."""
@@ -438,15 +416,17 @@ def _run_parity(mlx_dir, options: Options) -> Report:
                 "pass --reference HF_REPO_OR_DIR or --bundle"
             )
         # A text-only conversion cannot use image cases: do not record them.
+        # The original run's layer-local record serves only an unquantized model (_same_as_original).
         live = Options(**{**options.__dict__, "reference": source, "revision": revision,
-                          "images": I.mlx_takes_images(adapter, config, options)[0]})
+                          "images": I.mlx_takes_images(adapter, config, options)[0],
+                          "local_original": not W.precision(mlx_dir, config).quantized})
         bundle = record(source, live, expect_family=family.name)
         reference = dict(bundle.original.meta)
         timings["reference"] = bundle.original.meta.get("timings", {})
     what = f"bundle {options.bundle}" if options.bundle else f"reference {reference.get('source')}"
     if bundle.family != family.name:
         raise ConfigError(f"{what} is a {bundle.family} model; {mlx_dir} is {family.name}")
-    _check_compatible(bundle, config, str(mlx_dir / "config.json"))
+    check_compatible(bundle, config, str(mlx_dir / "config.json"))
 
     mlx_t: dict = {}
     t = time.perf_counter()
@@ -462,7 +442,7 @@ def _run_parity(mlx_dir, options: Options) -> Report:
                      "CPU backend (--compute-dtype native keeps them)")
     elif compute != prec.compute_dtype:
         prec = W.Precision(prec.label if prec.quantized else compute, compute, prec.bits, prec.mode)
-    differ = _generation_config_differences(bundle.settings, loaded.generation_config)
+    differ = generation_config_differences(bundle.settings, loaded.generation_config)
     if differ:
         notes.append("the MLX generation_config.json differs from the reference's ("
                      + ", ".join(differ) + "): commit streams may diverge for that reason")
@@ -527,8 +507,17 @@ def _run_parity(mlx_dir, options: Options) -> Report:
                                  else {"total": round(time.perf_counter() - t, 3),
                                        **({"reused": "the original-weights reference"} if reused else {})})
 
-    t = time.perf_counter()
     thr = options.thresholds
+    local_row = None
+    if matched is not None and options.local and LOC.recorded(matched):
+        t = time.perf_counter()
+        loaded = loader.load(mlx_dir, trust_remote_code=options.trust_remote_code, tokenizer=False)
+        with M.phase("MLX: layer-local"):
+            local_row = LOC.run_and_check(adapter, loaded, P.cases_by_name(bundle.cases, images), matched,
+                                          W.Precision(compute, compute, None, None), thr, options.progress)
+        _release(loaded)
+        timings["mlx"]["layer_local"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
     ref_dtype = bundle.original.meta.get("dtype", "float32")
     # A half-precision reference cannot hold a float32 model to float32 bounds.
     vs_original = prec
@@ -544,6 +533,11 @@ def _run_parity(mlx_dir, options: Options) -> Report:
             notes.append(R.describe(matched.meta["routing"]))
     else:
         results.append(C.skipped("implementation", matched_note))
+    if local_row is not None:
+        results.append(local_row)
+    elif options.local and matched is not None and layer_cases:
+        results.append(C.skipped("implementation_layers", "the same-weights reference has no layer-local "
+                                 "record (a bundle recorded before it)"))
     td = time.perf_counter()
     results.append(C.check_drift(bundle.original.logits, mlx_logits, bundle.original.streams,
                                  mlx_streams, prec, thr))

@@ -12,6 +12,12 @@ never failing). The defaults are meant for real checkpoints:
 * ``implementation`` (the float32 reference run with exactly the weights the
   MLX model holds): keyed by the MLX compute dtype, not by the bit width, so
   a 4-bit model with float32 scales is held to float32 tolerances.
+* ``implementation_layers`` (dlm.verify.local: every MLX layer fed the
+  same-weights reference's input, so errors cannot compound): the worst
+  layer's cosine and max |Δ| relative to the reference's largest entry,
+  keyed by the compute dtype. It is what proves an implementation on a deep
+  random checkpoint, where the end-to-end rows are chaotic for any float32
+  implementation (the reference's own float32 against float64 included).
 * ``drift`` (quantized vs original): KL / top-1 like llama.cpp's KLD
   statistics (Q4_K_M: mean KLD ~0.03-0.06, same-top ~86-98%), the share of
   committed tokens that match and the growth of denoising steps per canvas
@@ -86,6 +92,12 @@ DEFAULTS: dict[str, dict[str, dict[str, Bound]]] = {
         "q8": {"cosine_min": (">=", 0.99)},
         "q4": {"cosine_min": (">=", 0.95)},
     },
+    # Layer-local (dlm.verify.local): each MLX layer on the reference's own input,
+    # so one layer's rounding only (float32: ~1e-6 relative at the released size).
+    "implementation_layers": {
+        "float32": {"cosine_min": (">=", 0.99999), "rel_max": ("<=", 1e-4), "max_abs": ("<=", None)},
+        "half": {"cosine_min": (">=", 0.999), "rel_max": ("<=", None), "max_abs": ("<=", None)},
+    },
     # MoE routing of the same-weights reference (dlm.verify.routes): the largest
     # margin by which the reference's own top-k led an expert MLX chose instead,
     # as a router-logit gap (log-probabilities); a flip within it is rounding.
@@ -104,7 +116,7 @@ TIE_TOLERANCE = {"float32": 1e-3, "half": 0.25, "q8": 0.5, "q4": 1.0}
 
 def precision_class(check: str, label: str, compute_dtype: str, bits: int | None) -> str:
     """Which column of DEFAULTS applies to a model."""
-    if check in ("implementation", "commit_stream", "routing") or bits is None:
+    if check in ("implementation", "implementation_layers", "commit_stream", "routing") or bits is None:
         return "float32" if compute_dtype == "float32" else "half"
     return "q8" if bits >= 8 else "q4"
 

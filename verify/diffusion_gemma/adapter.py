@@ -489,11 +489,12 @@ def _shared_prefill(loaded, case: LogitCase, collect: list | None) -> list:
     return cache
 
 
-def mlx_logits(loaded, case: LogitCase, collect: dict | None = None) -> np.ndarray:
+def mlx_logits(loaded, case: LogitCase, collect: dict | None = None, feed: dict | None = None) -> np.ndarray:
     """The same forward pass as ``reference_logits`` on the MLX model.
     ``collect``: filled with ``{stack: [per-layer float32 [positions, hidden]]}``
     (the stacks of ``reference_layers``; the last encoder layer, whose output
-    MLX never computes, is left out)."""
+    MLX never computes, is left out). ``feed``: ``{stack: dlm.verify.local.Feed}``,
+    which hand every layer the reference's input (the layer-local check)."""
     import mlx.core as mx
 
     from dlm.runtime.models.diffusion_gemma.layers import record_routes
@@ -502,6 +503,8 @@ def mlx_logits(loaded, case: LogitCase, collect: dict | None = None) -> np.ndarr
     V = _vocab(loaded.config)
     enc = [] if collect is not None else None
     dec = [] if collect is not None else None
+    if feed is not None:
+        enc, dec = feed["encoder"], feed["decoder"]
     routing = record_routes() if collect is not None else contextlib.nullcontext([])
     with routing as enc_routes:
         cache = _shared_prefill(loaded, case, enc)

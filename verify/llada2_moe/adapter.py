@@ -215,18 +215,19 @@ def reference_logits(ref: Reference, case: LogitCase, done: dict) -> np.ndarray:
         return ref.model(ids, mask)[0, -bl:].float().numpy()
 
 
-def mlx_logits(loaded, case: LogitCase, collect: dict | None = None) -> np.ndarray:
+def mlx_logits(loaded, case: LogitCase, collect: dict | None = None, feed: dict | None = None) -> np.ndarray:
     """The same forward on the MLX model, through the runtime's KV-cache path:
     earlier blocks prefilled, the last committed block fused with the active
     one (as the generation loop does). ``collect``: filled with ``{"layers":
-    [per-layer float32 [positions, hidden]]}`` over the whole window."""
+    [per-layer float32 [positions, hidden]]}`` over the whole window; ``feed``:
+    ``{"layers": dlm.verify.local.Feed}`` (the layer-local check)."""
     import mlx.core as mx
 
     from dlm.runtime.models.llada2_moe import block_causal_mask
 
     model = loaded.model
     window = np.asarray(case.arrays["window"], np.int32)
-    outs = [] if collect is not None else None
+    outs = feed["layers"] if feed is not None else [] if collect is not None else None
 
     def done(logits):
         if collect is not None:

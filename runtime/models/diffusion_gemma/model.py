@@ -17,6 +17,7 @@ import numpy as np
 from ..cpu_streams import split_positions, splits
 from ..quantized import embedding_matmul, per_call, wants
 from ..rows import as_linear, matmul
+from ..taps import layer_input
 from .config import SLIDING, ModelArgs
 from .layers import DecoderLayer, PrefixCache, RMSNorm, SelfConditioning
 from .vision import MultimodalEmbedder, VisionArgs, VisionModel
@@ -241,8 +242,8 @@ class Model(nn.Module):
             block_ids = mx.array(blocks.astype(np.int32))
         last = len(dec.layers) - 1
         for i, layer in enumerate(dec.layers):
-            h = layer(h, cache[i], offset, True, scalars[i]["layer_scalar"], attention_only=i == last,
-                      blocks=block_ids)
+            h = layer(layer_input(collect, h), cache[i], offset, True, scalars[i]["layer_scalar"],
+                      attention_only=i == last, blocks=block_ids)
             if collect is not None:
                 collect.append(h)
 
@@ -278,7 +279,7 @@ class Model(nn.Module):
         else:
             h, head = dec.inputs(canvas, sc_logits), dec.head
         for i, layer in enumerate(dec.layers):
-            h = layer(h, cache[i], offset, False, compiled=self.compile)
+            h = layer(layer_input(collect, h), cache[i], offset, False, compiled=self.compile)
             if collect is not None:
                 collect.append(h)
         return head(h)

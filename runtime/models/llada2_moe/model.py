@@ -15,6 +15,7 @@ from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, linear, matmul, per_sequence
 from ..quantized import per_call
 from ..switch import SwitchLinear, by_expert, grouped
+from ..taps import layer_input
 from .config import ModelArgs
 from .weights import sanitize
 
@@ -285,7 +286,7 @@ class Model(nn.Module):
         h = self.model.word_embeddings(inputs)
         offset = cache[0].offset if cache else 0
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, offset, mask, cache[i] if cache else None)
+            h = layer(layer_input(collect, h), offset, mask, cache[i] if cache else None)
             if collect is not None:
                 collect.append(h)
         if last is not None:
