@@ -374,3 +374,21 @@ def test_layer_diagnostic_counts_the_positions_that_diverge():
         first = summary["first_divergence"]
         assert (first["layer"], first["positions"], first["positions_below"]) == (1, 10, below)
         assert f"at {below} of 10 positions" in LY.describe(summary)
+
+
+def test_layer_local_feed_hands_each_layer_its_recorded_rows_and_names_a_mismatch():
+    import mlx.core as mx
+
+    from dlm.verify.local import Feed
+
+    inputs = [np.arange(12, dtype=np.float32).reshape(3, 4), -np.arange(12, dtype=np.float32).reshape(3, 4)]
+    feed = Feed("layers", inputs)
+    own = mx.full((1, 2, 4), 7.0)
+    got = feed.feed(own)  # layer 0 of the first call: rows 0-1
+    assert np.array_equal(np.array(got[0]), inputs[0][:2])
+    assert np.array_equal(np.array(feed.feed(got)[0]), inputs[1][:2])  # layer 1
+    got = feed.feed(mx.zeros((1, 1, 4)))  # a second call (a chunk): the next row of layer 0
+    assert np.array_equal(np.array(got[0]), inputs[0][2:])
+    assert feed.first_input().shape == (3, 4) and (feed.first_input()[:2] == 7).all()  # MLX's own inputs
+    with pytest.raises(DlmError, match=r"layers layer 1 takes \[1, 2, 4\] but the reference recorded 1 rows"):
+        feed.feed(mx.zeros((1, 2, 4)))

@@ -151,8 +151,8 @@ def mlx_pass(adapter, loaded, case, record: dict) -> dict:
 
 
 def _flips(record: dict, mlx: dict, stack: str, i: int) -> list[dict]:
-    probs = (record.get(stack + L.ROUTES) or [])
-    ids = (mlx.get(stack + L.ROUTES) or [])
+    probs = record.get(stack + L.ROUTES) or []
+    ids = mlx.get(stack + L.ROUTES) or []
     if i >= len(probs) or i >= len(ids) or probs[i] is None or ids[i] is None:
         return []
     return L.route_flips(probs[i], ids[i])
@@ -174,7 +174,7 @@ def _stage(name: str, ref, got, skip: set, bound: Optional[float]) -> Optional[d
 def compare_case(record: dict, mlx: dict, margin: Optional[float], bound: Optional[float]) -> dict:
     """Per stage (each stack's first-layer input, each layer, the logits) of one
     case: the metrics without the near-tie positions; the flips at a clear margin."""
-    rows, flips, clear = [], 0, []
+    rows, gaps, clear = [], [], []
     last_flips: set = set()
     stacks = [k[: -len(INPUTS)] for k in record if k.endswith(INPUTS)]
     for s in stacks:
@@ -184,7 +184,7 @@ def compare_case(record: dict, mlx: dict, margin: Optional[float], bound: Option
             rows.append(row)
         for i, (ref, got) in enumerate(zip(record.get(s) or [], mlx.get(s) or [])):
             fl = _flips(record, mlx, s, i)
-            flips += len(fl)
+            gaps += [f["gap"] for f in fl]
             clear += [dict(stack=s, layer=i, **f) for f in fl if margin is not None and f["gap"] > margin]
             skip = {f["position"] for f in fl}
             last_flips = skip
@@ -196,8 +196,7 @@ def compare_case(record: dict, mlx: dict, margin: Optional[float], bound: Option
     row = _stage(LOGITS, record[LOGITS][0], mlx[LOGITS][0], last_flips, bound)
     if row:
         rows.append(row)
-    gaps = [f["gap"] for s in stacks for i in range(len(mlx.get(s) or [])) for f in _flips(record, mlx, s, i)]
-    return dict(stages=rows, routing_flips=flips, routing_gap_max=max(gaps, default=0.0), clear_flips=clear)
+    return dict(stages=rows, routing_flips=len(gaps), routing_gap_max=max(gaps, default=0.0), clear_flips=clear)
 
 
 def check(record_run, mlx: dict, prec, overrides: Optional[dict] = None, note: str = "") -> CheckResult:

@@ -483,6 +483,8 @@ def _shared_prefill(loaded, case: LogitCase, collect: list | None) -> list:
         return [copy.copy(c) for c in _prefilled["cache"]]
     cache = model.make_cache()
     mlx_prefill(loaded, case.prompt_ids, cache, case.images, collect=collect)
+    if hasattr(collect, "feed"):  # fed the reference's hidden states (dlm.verify.local): not MLX's own prefill
+        return cache
     if held is None or held() is not model:  # the cache goes with the model (run_parity releases it)
         weakref.finalize(model, _prefilled.clear)
     _prefilled.update(model=weakref.ref(model), key=key, cache=[copy.copy(c) for c in cache])
