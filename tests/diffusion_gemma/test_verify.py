@@ -43,8 +43,8 @@ def test_float32_conversion_passes_live(conversions):
     # Default reference: the source the converter recorded in config.json.
     report = run_parity(conversions["f32"], verify_options())
     assert report.passed, report.table()
-    assert statuses(report) == {"logits": "pass", "implementation": "pass", "drift": "skip",
-                                "commit_stream": "pass"}
+    assert statuses(report) == {"logits": "pass", "implementation": "pass", "implementation_layers": "pass",
+                                "drift": "skip", "commit_stream": "pass"}
     logits = report.check("logits").metrics
     assert logits["max_abs"] < 1e-4 and logits["top1"] == 1.0 and logits["kl_mean"] < 1e-9
     assert logits["cases"] == report.cases >= 16
@@ -153,7 +153,7 @@ def test_cli_report_and_model_card(conversions, reference_bundle, tmp_path):
     assert "RESULT: PASS" in result.output and "implementation" in result.output
     data = json.loads(report_path.read_text())
     assert data["passed"] is True
-    assert set(data["checks"]) == {"logits", "implementation", "drift", "commit_stream"}
+    assert set(data["checks"]) == {"logits", "implementation", "implementation_layers", "drift", "commit_stream"}
     for check in data["checks"].values():
         assert {"metrics", "thresholds", "status", "passed"} <= set(check)
     assert data["checks"]["logits"]["thresholds"]["max_abs"] == ["<=", 1e-3]
@@ -197,5 +197,6 @@ def test_bundle_compare_on_a_machine_without_torch(conversions, tiny_dg_dir, tmp
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert {k: v["status"] for k, v in data["checks"].items()} == {
-        "logits": "pass", "implementation": "pass", "drift": "pass", "commit_stream": "pass"}
+        "logits": "pass", "implementation": "pass", "implementation_layers": "pass", "drift": "pass",
+        "commit_stream": "pass"}
     assert "recorded in the bundle" in data["checks"]["implementation"]["note"]

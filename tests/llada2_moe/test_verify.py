@@ -83,7 +83,8 @@ def test_parity_suite_passes_and_catches_a_broken_router(dirs, tmp_path):
     report = run_parity(dirs / "mlx", opts)
     assert report.passed, report.table()
     verdicts = {c.name: c.status for c in report.checks}
-    assert verdicts == {"logits": "pass", "implementation": "pass", "drift": "skip", "commit_stream": "pass"}
+    assert verdicts == {"logits": "pass", "implementation": "pass", "implementation_layers": "pass", "drift": "skip",
+                        "commit_stream": "pass"}
     # Same model with expert_bias zeroed: routing changes, the suite must fail.
     broken = tmp_path / "broken"
     broken.mkdir()
