@@ -28,7 +28,8 @@ as in scripts/bench_convert.py):
    that ran and their verdicts come from the JSON report. Random weights make the quantization
    drift chaotic (near-uniform distributions; a 4-bit perturbation flips argmaxes and commit
    orders freely), so a failed drift check on this checkpoint says nothing about a real model; the
-   implementation check (reference run with the MLX weights) is what must hold;
+   implementation check (reference run with the MLX weights) is what must hold, and where the stack is deep
+   enough to make that chaotic end to end too (DiffusionGemma), its layer-local row ``implementation_layers``;
 3. ``dlm-run generate --model OUT --prompt ... --max-tokens 32 --max-denoising-steps 4 --profile --json``
    (peak RSS; seconds per denoising step = generation seconds / forwards from the --json stats).
 
@@ -45,6 +46,8 @@ step (``--keep --reuse-output --skip-generate --verify-arg=--steps=1``), the 4-b
 the same-weights reference following MLX's routing: 2517 s, peak RSS 21.0 GB (reference logits 521 s, MLX logits
 492 s, same-weights logits 675 s; 6459 s before, on the quantized kernels); generate, dequantized per call, 55.3 s
 per denoising step against 205.3 s on the quantized kernels (``DLM_CPU_DEQUANTIZE=kernels``), one after the other.
+With the layer-local row (same command, CI beside it part of the time): 4329 s, peak RSS 22.8 GB,
+``implementation_layers`` pass (every layer within relative max|Δ| 1.65e-5 fed the reference's input, 0 routing flips).
 """
 
 from __future__ import annotations

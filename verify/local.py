@@ -120,13 +120,14 @@ def reference_pass(adapter, ref, case, done) -> dict:
     return record
 
 
-def record_reference(adapter, ref, run, cases: dict, layer_cases, progress: bool = True) -> None:
+def record_reference(adapter, ref, run, cases: dict, layer_cases, progress: bool = True,
+                     label: str = "reference") -> None:
     """``reference_pass`` of each diagnostic case into ``run.hidden`` (``PREFIX`` + name)."""
     from .progress import tqdm
 
     t = time.perf_counter()
     done = collections.ChainMap(run.logits, run.image_logits)
-    for name in tqdm(layer_cases, "reference: layer-local cases", progress):
+    for name in tqdm(layer_cases, f"{label}: layer-local cases", progress):
         run.hidden[PREFIX + name] = reference_pass(adapter, ref, cases[name], done)
     run.meta.setdefault("timings", {})["layer_local"] = round(time.perf_counter() - t, 3)
 

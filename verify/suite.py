@@ -134,7 +134,7 @@ def _run_reference(adapter, ref, cases, prompts, stream_idx, settings, progress,
         run.meta["routing"] = forced.summary()
     if local and layer_cases:
         with M.phase(f"{label}: layer-local"):
-            LOC.record_reference(adapter, ref, run, P.cases_by_name(cases, images), layer_cases, progress)
+            LOC.record_reference(adapter, ref, run, P.cases_by_name(cases, images), layer_cases, progress, label)
     if getattr(ref, "streamer", None) is not None:
         run.meta["streaming"] = ref.streamer.stats()
         ref.streamer.close()
