@@ -108,8 +108,8 @@ def _fail(exc: Exception, code: int = 2):
 @_common
 @click.pass_context
 def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo, thresholds, no_implementation,
-         no_layer_local, trace_dir, revision, reference_dtype, prompts_file, no_builtin_prompts, stream_layers, no_images,
-         trust_remote_code, torch_threads, quiet, **budget):
+         no_layer_local, trace_dir, revision, reference_dtype, prompts_file, no_builtin_prompts, stream_layers,
+         no_images, trust_remote_code, torch_threads, quiet, **budget):
     """Check a converted MLX model against its PyTorch reference (logits,
     implementation parity, quantization drift, debug-canvas commit streams;
     with a vision tower also the same on built-in images).
@@ -147,7 +147,8 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
             reference=reference, revision=revision, reference_dtype=reference_dtype,
             prompts_file=prompts_file, builtin_prompts=not no_builtin_prompts, bundle=bundle,
             **_budget(budget), stream_layers=stream_layers,
-            implementation=not no_implementation, local=not no_layer_local, images=not no_images, trust_remote_code=trust_remote_code,
+            implementation=not no_implementation, local=not no_layer_local, images=not no_images,
+            trust_remote_code=trust_remote_code,
             thresholds=load_overrides(thresholds), progress=progress, trace_dir=trace_dir,
         )
         report = run_parity(Path(mlx_dir), options)

@@ -71,10 +71,11 @@ def _numpy(x) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def capture(stacks: dict):
+def capture(stacks: dict, inputs: bool = False):
     """Record every call of the torch layer modules in ``stacks`` (``{name:
     [modules]}``); yields ``{name: [per-call outputs in call order]}``, turned
-    into per-layer arrays by ``result``."""
+    into per-layer arrays by ``result``. ``inputs``: each call's input hidden
+    state instead (dlm.verify.local)."""
     calls: dict[str, list] = {name: [] for name in stacks}
     hooks = []
     # Only this thread's calls: lockstep passes (dlm.verify.lockstep) run the
@@ -87,7 +88,12 @@ def capture(stacks: dict):
                     return
                 out = output[0] if isinstance(output, (tuple, list)) else output
                 calls[name].append((i, _numpy(out)))
-            hooks.append(layer.register_forward_hook(hook))
+
+            def pre_hook(module, args, kwargs, name=name, i=i):
+                if threading.get_ident() == owner:
+                    calls[name].append((i, _numpy(args[0] if args else kwargs["hidden_states"])))
+            hooks.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True) if inputs
+                         else layer.register_forward_hook(hook))
     try:
         yield calls
     finally:

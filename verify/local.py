@@ -30,8 +30,6 @@ The row (``implementation_layers``) is judged by the compute dtype
 from __future__ import annotations
 
 import collections
-import contextlib
-import threading
 import time
 from typing import Optional
 
@@ -82,28 +80,6 @@ class Feed(list):
         return np.concatenate([L._numpy(h) for h in self.own], axis=0) if self.own else None
 
 
-@contextlib.contextmanager
-def capture_inputs(stacks: dict):
-    """Record each call's input hidden state of the torch layers in ``stacks``
-    (this thread's calls only, as ``layers.capture``); ``layers.result`` turns
-    the record into per-layer arrays."""
-    calls: dict[str, list] = {name: [] for name in stacks}
-    owner = threading.get_ident()
-    hooks = []
-    for name, layers in stacks.items():
-        for i, layer in enumerate(layers):
-            def hook(module, args, kwargs, name=name, i=i):
-                if threading.get_ident() == owner:
-                    h = args[0] if args else kwargs["hidden_states"]
-                    calls[name].append((i, L._numpy(h)))
-            hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        yield calls
-    finally:
-        for h in hooks:
-            h.remove()
-
-
 def reference_pass(adapter, ref, case, done) -> dict:
     """One case on the reference, routed its own way: ``{stack: outputs,
     stack + INPUTS: inputs, stack + ROUTES: router probabilities, LOGITS: [logits]}``."""
@@ -112,7 +88,7 @@ def reference_pass(adapter, ref, case, done) -> dict:
     stacks = adapter.reference_layers(ref)
     routers = getattr(adapter, "reference_routers", None)
     hooked = dict(stacks, **(routers(ref) if callable(routers) else {}))
-    with L.capture(hooked) as outs, capture_inputs(stacks) as ins:
+    with L.capture(hooked) as outs, L.capture(stacks, inputs=True) as ins:
         logits = adapter.reference_logits(ref, case, done)
     record = L.result(outs, hooked)
     record.update({name + INPUTS: layers for name, layers in L.result(ins, stacks).items()})
