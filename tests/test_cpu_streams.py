@@ -17,7 +17,7 @@ from tests.builders import convert_dir
 @pytest.fixture
 def two_streams(monkeypatch):
     """Two CPU streams and no minimum piece size, whatever this machine has."""
-    monkeypatch.setattr(cpu_streams, "_streams", [mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)])
+    monkeypatch.setattr(cpu_streams._local, "streams", [mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)], raising=False)
     monkeypatch.setattr(cpu_streams, "MIN_ROWS", 1)
 
 
@@ -51,7 +51,7 @@ def q4_models(tiny_dg_dir, tiny_llada2_mlx_dir, tmp_path_factory):
 
 def _logits(family: str, path, streams_on: bool, monkeypatch):
     if not streams_on:  # one stream: parallel() is off (an empty list would be refilled)
-        monkeypatch.setattr(cpu_streams, "_streams", [mx.new_stream(mx.cpu)])
+        monkeypatch.setattr(cpu_streams._local, "streams", [mx.new_stream(mx.cpu)])
     loaded = api.load(path, compute_dtype="native")  # keep the 4-bit kernels (no dequantization at load)
     model = loaded.model
     ids = mx.array([[2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]], dtype=mx.int32)
@@ -69,7 +69,8 @@ def test_a_4bit_model_is_bit_identical_with_the_streams_on_and_off(q4_models, fa
     splits = []
     real = cpu_streams.split_rows
     def counted(fn, *arrays):
-        splits.append(arrays[0].shape)
+        if cpu_streams.parallel():  # (the softcap and the scores call it either way)
+            splits.append(arrays[0].shape)
         return real(fn, *arrays)
 
     from dlm.runtime.models import switch
@@ -81,5 +82,32 @@ def test_a_4bit_model_is_bit_identical_with_the_streams_on_and_off(q4_models, fa
     calls = len(splits)
     with monkeypatch.context() as m:
         off = _logits(family, q4_models[family], False, m)
-    assert len(splits) == calls  # (split_rows is only called with the streams on)
+    assert len(splits) == calls  # (nothing is split with the streams off)
     assert on.shape == off.shape and mx.array_equal(on, off)
+
+
+def test_each_thread_splits_on_streams_of_its_own():
+    """MLX streams belong to the thread that made them: a worker thread (the
+    server's) splits on its own after the main thread has made its streams."""
+    import threading
+
+    if not cpu_streams.parallel():
+        pytest.skip("one CPU core: nothing is split")
+    x = mx.array(np.random.default_rng(1).normal(size=(4 * cpu_streams.MIN_ROWS, 64)).astype(np.float32))
+    want = mx.exp(x)
+    main = cpu_streams.cpu_streams()
+    out = {}
+
+    def work():
+        try:
+            out["streams"] = cpu_streams.cpu_streams()
+            out["y"] = cpu_streams.split_rows(mx.exp, x)
+            mx.eval(out["y"])
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            out["error"] = exc
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    assert out["streams"] is not main and mx.array_equal(out["y"], want)

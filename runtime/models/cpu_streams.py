@@ -17,24 +17,28 @@ Off on Metal/CUDA (their kernels are parallel already), inside ``mx.compile``
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable
 
 import mlx.core as mx
 
 MIN_ROWS = 16  # rows per piece below which splitting costs more than it saves
 
-_streams: list = []
+# MLX streams belong to the thread that made them ("There is no Stream(cpu, N) in
+# current thread" elsewhere): the server's worker thread gets its own.
+_local = threading.local()
 
 
 def cpu_streams() -> list:
     """One CPU stream per core (``DLM_CPU_STREAMS`` overrides the count); [] off the CPU."""
     if mx.default_device() != mx.cpu:
         return []
-    if not _streams:
+    streams = getattr(_local, "streams", None)
+    if streams is None:
         want = os.environ.get("DLM_CPU_STREAMS", "").strip()
         n = int(want) if want.isdigit() and int(want) > 0 else (os.cpu_count() or 1)
-        _streams.extend(mx.new_stream(mx.cpu) for _ in range(n if n > 1 else 0))
-    return _streams
+        streams = _local.streams = [mx.new_stream(mx.cpu) for _ in range(n if n > 1 else 0)]
+    return streams
 
 
 def parallel() -> bool:
@@ -52,7 +56,8 @@ def splits(module) -> bool:
 
 def split_rows(fn: Callable[..., mx.array], *arrays: mx.array) -> mx.array:
     """``fn(*arrays)`` with the arrays' leading (row) axis split over the CPU
-    streams; ``fn`` must treat rows independently."""
+    streams; ``fn`` must treat rows independently. ``fn`` may return a tuple
+    of arrays (each with the rows as its leading axis)."""
     streams = cpu_streams()
     rows = arrays[0].shape[0]
     n = min(len(streams), rows // MIN_ROWS)
@@ -63,6 +68,8 @@ def split_rows(fn: Callable[..., mx.array], *arrays: mx.array) -> mx.array:
     for i, stream in enumerate(streams[:n]):
         with mx.stream(stream):
             parts.append(fn(*(a[bounds[i]:bounds[i + 1]] for a in arrays)))
+    if isinstance(parts[0], (tuple, list)):
+        return tuple(mx.concatenate(pieces, axis=0) for pieces in zip(*parts))
     return mx.concatenate(parts, axis=0)
 
 

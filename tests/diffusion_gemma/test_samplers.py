@@ -9,6 +9,7 @@ import pytest
 
 from dlm.runtime.models.diffusion_gemma import sampling as S
 from dlm.runtime.models.diffusion_gemma.canvas import DebugDraws, DenoiseConfig, RandomDraws, denoise_canvas
+from dlm.runtime.models.diffusion_gemma.scores import score
 from dlm.runtime.generate import trim
 from dlm.runtime.text import ChannelParser
 
@@ -140,8 +141,14 @@ def test_renoise_keeps_accepted_sample_and_redraws_the_rest():
     for step in (1, 2):  # draw n = step renoises the unaccepted positions
         noise = S.debug_canvas_pattern(step, 4, V).tolist()
         assert dec.calls[step][0].tolist() == [[3, noise[1], 5, 11]]
-    # first step without self-conditioning, then the previous processed logits
-    assert dec.calls[0][1] is None and np.array_equal(dec.calls[1][1], script(0, None))
+    # first step without self-conditioning, then the softmax of the previous processed logits
+    assert dec.calls[0][1] is None and np.allclose(dec.calls[1][1], softmax(script(0, None)), rtol=1e-5, atol=0)
+
+
+def softmax(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
 def test_self_conditioning_gets_temperature_scaled_logits():
@@ -149,7 +156,8 @@ def test_self_conditioning_gets_temperature_scaled_logits():
     cfg = DenoiseConfig(steps=4, t_min=0.4, t_max=0.8, stability_threshold=None, confidence_threshold=None)
     denoise_canvas(dec, DebugDraws(V), 2, cfg)
     t4 = S.linear_temperature(4, 4, 0.4, 0.8)
-    assert np.allclose(dec.calls[1][1], peaked([1, 2], 3.0) / t4)
+    assert np.allclose(dec.calls[1][1], softmax(peaked([1, 2], 3.0) / np.float64(t4)), rtol=1e-5, atol=0)
+    assert not np.allclose(dec.calls[1][1], softmax(peaked([1, 2], 3.0)), rtol=1e-3, atol=0)
     assert len(dec.calls) == 4
 
 
@@ -206,8 +214,8 @@ def test_random_draws_seeded():
     a, b = RandomDraws(V, 3), RandomDraws(V, 3)
     assert a.canvas((1, 5)).tolist() == b.canvas((1, 5)).tolist()
     logits = mx.array(np.random.default_rng(1).normal(size=(1, 5, V)).astype(np.float32))
-    assert a.sample(logits, 1.0).tolist() == b.sample(logits, 1.0).tolist()
-    assert a.sample(logits, 0.0).tolist() == mx.argmax(logits, -1).tolist()
+    assert a.sample(score(logits, 1.0), 1.0).tolist() == b.sample(score(logits, 1.0), 1.0).tolist()
+    assert a.sample(score(logits, 1.0), 0.0).tolist() == mx.argmax(logits, -1).tolist()
 
 
 def test_cancel_before_a_step():

@@ -44,10 +44,10 @@ def record_mlx_routes(loaded, log: R.RouteLog):
             real_encode(ids, cache, offset, features, blocks, collect)
         _put(log, "encoder", record, keys)
 
-    def decode(canvas, cache, sc_logits=None, offset=None, collect=None):
+    def decode(canvas, cache, sc_logits=None, offset=None, collect=None, sc_probs=None):
         keys = R.decoder_keys(cache[0], np.array(canvas).reshape(-1).tolist())
         with layer_routes() as record:
-            out = real_decode(canvas, cache, sc_logits, offset, collect)
+            out = real_decode(canvas, cache, sc_logits, offset, collect, sc_probs)
         _put(log, "decoder", record, keys)
         return out
 

@@ -47,7 +47,7 @@ class Member:
         self.steps = 0
         self.history: list[mx.array] = []
         self.following = None
-        self.inputs = None  # (canvas, sc_logits, revealed, cur_step) of the step to build next
+        self.inputs = None  # (canvas, sc_probs, revealed, cur_step) of the step to build next
         self.mark = None  # the draws before the step to build next
 
     # -- a canvas begins and ends (CanvasSession.next_block around denoise_canvas) --
@@ -100,7 +100,7 @@ class Member:
         if cancel is not None and cancel():
             self._end(CanvasResult(step.argmax, self.steps, False, cancelled=True))
             return
-        self.inputs = (step.canvas, step.sc_logits, step.revealed, self.cur - 1)
+        self.inputs = (step.canvas, step.sc_probs, step.revealed, self.cur - 1)
         self.mark = self.session.draws.state()
 
     @property
@@ -169,11 +169,11 @@ class Batch:
             m.build(logits)
 
 
-def decode(model, canvases: list[mx.array], sc_logits: list[Optional[mx.array]],
+def decode(model, canvases: list[mx.array], sc_probs: list[Optional[mx.array]],
            caches: list[list]) -> list[mx.array]:
-    """``model.decode`` of many canvases ([1, L] each; sc [1, L, V] or None) against
-    their own prefix caches: one forward per canvas length, the logits [1, L, V]
-    of each in order."""
+    """``model.decode`` of many canvases ([1, L] each; self-conditioning
+    probabilities [1, L, V] or None) against their own prefix caches: one forward
+    per canvas length, the logits [1, L, V] of each in order."""
     out: list[Optional[mx.array]] = [None] * len(canvases)
     groups: dict[int, list[int]] = {}
     for i, c in enumerate(canvases):
@@ -181,30 +181,30 @@ def decode(model, canvases: list[mx.array], sc_logits: list[Optional[mx.array]],
     for idx in groups.values():
         if len(idx) == 1:  # alone: exactly the solo call
             i = idx[0]
-            out[i] = model.decode(canvases[i], caches[i], sc_logits[i])
+            out[i] = model.decode(canvases[i], caches[i], sc_probs=sc_probs[i])
             continue
         # Canvases with self-conditioning first, then the first steps (no sc).
-        idx = [i for i in idx if sc_logits[i] is not None] + [i for i in idx if sc_logits[i] is None]
-        logits = _decode_group(model, [canvases[i] for i in idx], [sc_logits[i] for i in idx],
+        idx = [i for i in idx if sc_probs[i] is not None] + [i for i in idx if sc_probs[i] is None]
+        logits = _decode_group(model, [canvases[i] for i in idx], [sc_probs[i] for i in idx],
                                [caches[i] for i in idx])
         for j, i in enumerate(idx):
             out[i] = logits[j : j + 1]
     return out
 
 
-def _decode_group(model, canvases, sc_logits, caches) -> mx.array:
+def _decode_group(model, canvases, sc_probs, caches) -> mx.array:
     """Model.decode for equal-length canvases, batched: [B, L, V]."""
     dec = model.model.decoder
-    inputs, head = dec.compiled() if model.compile else (dec.inputs, dec.head)
-    with_sc = [i for i, s in enumerate(sc_logits) if s is not None]
+    ends = dec.ends(model.compile)
+    with_sc = [i for i, s in enumerate(sc_probs) if s is not None]
     parts = []
     if with_sc:
-        parts.append(inputs(mx.concatenate([canvases[i] for i in with_sc]),
-                            mx.concatenate([sc_logits[i] for i in with_sc])))
+        parts.append(ends.inputs_probs(mx.concatenate([canvases[i] for i in with_sc]),
+                                       mx.concatenate([sc_probs[i] for i in with_sc])))
     if len(with_sc) < len(canvases):
-        parts.append(inputs(mx.concatenate(canvases[len(with_sc):])))
+        parts.append(ends.inputs(mx.concatenate(canvases[len(with_sc):])))
     h = mx.concatenate(parts) if len(parts) > 1 else parts[0]
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
     for i, layer in enumerate(dec.layers):
         h = layer(h, [c[i] for c in caches], offsets, False, compiled=model.compile)
-    return head(h)
+    return ends.head(h)

@@ -2,17 +2,19 @@
 
 ``denoise_canvas(decode, draws, length, config)`` runs up to N steps of:
 
-    logits = decode(canvas, sc_logits)                 # [B, L, V] float32
+    logits = decode(canvas, sc_probs)                  # [B, L, V] float32
     proc   = logits / T(cur_step)                      # linear schedule t_max -> t_min
     sample = categorical(proc / temp) (argmax: temp 0 or debug canvas)
     entropy-bound: canvas = where(accept, sample, fresh uniform noise)
     confidence-threshold: revealed positions keep their token; newly revealed
         ones take the sample; the rest get fresh uniform noise
     stop when stable-and-confident (and, for confidence-threshold, all revealed)
-    sc_logits = proc cast to the embedding dtype
+    sc_probs = softmax_f32(proc cast to the embedding dtype)
 
 and returns the argmax canvas of the last step (what the reference commits).
-Work stays lazy; the only host sync per step is the scalar stop decision.
+The work over the vocabulary (scores, the draw, the self-conditioning softmax)
+shares one exponential per entry (scores.py). Work stays lazy; the only host
+sync per step is the scalar stop decision.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from . import sampling as S
+from . import scores as V
 from .trace import summarise_step
 
 
@@ -37,7 +40,7 @@ class DenoiseConfig:
     stability_threshold: Optional[int] = 1  # None (either): no adaptive stop
     confidence_threshold: Optional[float] = 0.005
     temperature: float = 1.0  # denoiser sampling temperature on top of the schedule; 0 = argmax
-    sc_dtype: mx.Dtype = mx.float32  # self-conditioning logits are cast to the embedding dtype
+    sc_dtype: mx.Dtype = mx.float32  # self-conditioning logits are cast to the embedding dtype (then softmax_f32)
 
 
 @dataclass
@@ -46,10 +49,6 @@ class CanvasResult:
     steps: int
     stopped_early: bool
     cancelled: bool = False
-
-
-def _argmax(proc: mx.array, argmax: Optional[mx.array]) -> mx.array:
-    return mx.argmax(proc, axis=-1).astype(mx.int32) if argmax is None else argmax
 
 
 class RandomDraws:
@@ -72,12 +71,13 @@ class RandomDraws:
     def canvas(self, shape: tuple[int, ...]) -> mx.array:
         return mx.random.randint(0, self.vocab, shape, dtype=mx.int32, key=self._key())
 
-    def sample(self, proc: mx.array, temperature: float, argmax: Optional[mx.array] = None) -> mx.array:
-        """A draw from softmax(proc / temperature); temperature 0: ``argmax`` (proc's, when already computed)."""
+    def sample(self, scores: V.Scores, temperature: float) -> mx.array:
+        """A draw from softmax(proc / temperature) per position (one uniform each:
+        scores.sample); temperature 0: the argmax."""
         if temperature == 0:
-            return _argmax(proc, argmax)
-        logits = proc if temperature == 1 else proc / temperature
-        return mx.random.categorical(logits, axis=-1, key=self._key()).astype(mx.int32)
+            return scores.argmax
+        u = mx.random.uniform(shape=scores.argmax.shape, key=self._key())
+        return V.sample(scores, temperature, u)
 
 
 class DebugDraws:
@@ -101,15 +101,8 @@ class DebugDraws:
         self.n += 1
         return mx.broadcast_to(pattern, shape)
 
-    def sample(self, proc: mx.array, temperature: float, argmax: Optional[mx.array] = None) -> mx.array:
-        return _argmax(proc, argmax)
-
-
-@mx.compile
-def _score(logits: mx.array, t: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Processed logits (logits / T), their argmax and per-position entropy, fused."""
-    proc = logits / t
-    return proc, mx.argmax(proc, axis=-1).astype(mx.int32), S.token_entropy(proc)
+    def sample(self, scores: V.Scores, temperature: float) -> mx.array:
+        return scores.argmax
 
 
 @mx.compile
@@ -119,8 +112,7 @@ def _entropy_bound_step(entropy, sample, noise, bound):
 
 
 @mx.compile
-def _confidence_step(proc, canvas, revealed, sample, noise, threshold):
-    top1 = mx.exp(proc.max(axis=-1) - mx.logsumexp(proc, axis=-1))
+def _confidence_step(top1, canvas, revealed, sample, noise, threshold):
     new = S.confidence_accept(top1, revealed, threshold)
     canvas = mx.where(revealed, canvas, mx.where(new, sample, noise))
     return canvas, revealed | new
@@ -150,7 +142,7 @@ class _Step:
     argmax: mx.array
     canvas: mx.array  # the next step's input
     revealed: mx.array
-    sc_logits: mx.array
+    sc_probs: mx.array  # the next step's self-conditioning input, softmax_f32 (scores.py)
     stop: Optional[mx.array]  # None: cannot stop after this step
     keep: mx.array  # positions the sampler kept this step (accepted / revealed)
     summary: Optional[dict] = None  # --trace only (trace.summarise_step)
@@ -159,23 +151,24 @@ class _Step:
         """What to evaluate: the last step of a canvas only needs its argmax (the commit)."""
         if last:
             return [self.argmax]
-        out = [self.canvas, self.sc_logits, self.argmax, self.revealed]
+        out = [self.canvas, self.sc_probs, self.argmax, self.revealed]
         return out if self.stop is None else out + [self.stop]
 
 
-def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_logits, revealed, history,
+def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_probs, revealed, history,
                 cur_step: int, summarise: bool = False) -> _Step:
     """The lazy graph of one denoising step (nothing is evaluated here);
     ``summarise``: also its per-position summary (--trace, trace.py)."""
     revealed_in = revealed
-    logits = decode(canvas, sc_logits)
+    logits = decode(canvas, sc_probs)
     schedule = config.t_min is not None and config.t_max is not None
     t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
-    proc, argmax, entropy = _score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
-    sample = draws.sample(proc, config.temperature, argmax)  # greedy: reuse the argmax, no second pass
+    scores = V.score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
+    proc, argmax, entropy = scores.proc, scores.argmax, scores.entropy
+    sample = draws.sample(scores, config.temperature)
     noise = draws.canvas(canvas.shape)  # drawn every step, as the reference does
     if config.sampler == S.CONFIDENCE_THRESHOLD:
-        canvas, revealed = _confidence_step(proc, canvas, revealed, sample, noise, config.threshold)
+        canvas, revealed = _confidence_step(scores.top1, canvas, revealed, sample, noise, config.threshold)
         keep = revealed
     else:
         canvas, keep = _entropy_bound_step(entropy, sample, noise, config.entropy_bound)
@@ -186,7 +179,11 @@ def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_logits, reveale
     if config.sampler == S.CONFIDENCE_THRESHOLD:
         done = mx.all(revealed)
         stop = done if stop is None else stop | done
-    step = _Step(logits, argmax, canvas, revealed, proc.astype(config.sc_dtype), stop, keep)
+    if config.sc_dtype == mx.float32:
+        sc = scores.probs
+    else:  # the softmax of the logits as the decoder's dtype holds them (reference §3.8)
+        sc = mx.softmax(proc.astype(config.sc_dtype).astype(mx.float32), axis=-1)
+    step = _Step(logits, argmax, canvas, revealed, sc, stop, keep)
     if summarise:
         step.summary = summarise_step(config, t, argmax, proc, entropy, canvas, revealed_in, revealed,
                                       settled, done)
@@ -238,7 +235,7 @@ def denoise_canvas(
         if cancel is not None and cancel():
             return CanvasResult(step.argmax, steps, False, cancelled=True)
         mark = draws.state()
-        following = _build_step(decode, draws, config, step.canvas, step.sc_logits, step.revealed,
+        following = _build_step(decode, draws, config, step.canvas, step.sc_probs, step.revealed,
                                 history, cur_step - 1, summarise)
         if step.stop is not None and step.stop.item():  # the one host sync of a step
             draws.restore(mark)  # the step that did not run drew nothing

@@ -258,7 +258,7 @@ class CanvasSession:
         tracer = (None if self.step_trace is None
                   else CanvasTracer(self.step_trace, self.canvas_index - 1, length, self.denoise))
         result = denoise_canvas(
-            lambda c, sc: model.decode(c, cache, sc), self.draws, length, self.denoise,
+            lambda c, sc: model.decode(c, cache, sc_probs=sc), self.draws, length, self.denoise,
             cancel=self.cancel, on_step=self._step_hook(self.canvas_index - 1), on_summary=tracer,
         )
         if tracer is not None:
@@ -275,7 +275,7 @@ class CanvasSession:
         if self.watch is not None:
             index = self.canvas_index - 1
             watch = lambda step, ids: self.watch(index, step, ids)  # noqa: E731
-        result = denoise_structured(lambda c, sc: model.decode(c, cache, sc), self.draws, length, self.denoise,
+        result = denoise_structured(lambda c, sc: model.decode(c, cache, sc_probs=sc), self.draws, length, self.denoise,
                                     frontier, self.settings.eos_token_ids[0], self.cancel, watch)
         if result.cancelled:
             return Block(steps=result.steps, cancelled=True)

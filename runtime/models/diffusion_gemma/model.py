@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,8 +58,12 @@ class DecoderModel(nn.Module):
 
     def soft_embed(self, sc_logits: mx.array) -> mx.array:
         """softmax_f32(sc_logits) cast to the embedding dtype, @ W_E, * sqrt(H)."""
+        return self.embed_probs(mx.softmax(sc_logits.astype(mx.float32), axis=-1))
+
+    def embed_probs(self, probs: mx.array) -> mx.array:
+        """soft_embed from the softmax already taken (the denoising step's: canvas.py)."""
         dtype = self.dtype
-        p = mx.softmax(sc_logits.astype(mx.float32), axis=-1).astype(dtype)
+        p = probs.astype(dtype)
         e = self.embed_tokens
         if wants(e, p):  # dequantized per vocabulary slice (CPU backend)
             s = embedding_matmul(e, p)
@@ -78,15 +82,20 @@ class DecoderModel(nn.Module):
         soft = None if sc_logits is None else self.soft_embed(sc_logits)
         return self.self_conditioning(self.embed(canvas), soft)
 
-    def head(self, h: mx.array) -> mx.array:
-        """Tied-embedding logits in the model dtype, then float32 softcap."""
+    def inputs_probs(self, canvas: mx.array, sc_probs: mx.array) -> mx.array:
+        """``inputs`` from the self-conditioning softmax itself (sc_probs)."""
+        return self.self_conditioning(self.embed(canvas), self.embed_probs(sc_probs))
+
+    def project(self, h: mx.array) -> mx.array:
+        """Tied-embedding logits in the model dtype (before the softcap)."""
         x = self.norm(h)
         if self.split_vocab:
-            out = split_positions(lambda rows: self.embed_tokens.as_linear(rows), x)
-        else:
-            out = as_linear(self.embed_tokens, x)
-        out = out.astype(mx.float32)
-        return mx.tanh(out / self.softcap) * self.softcap
+            return split_positions(lambda rows: self.embed_tokens.as_linear(rows), x)
+        return as_linear(self.embed_tokens, x)
+
+    def head(self, h: mx.array) -> mx.array:
+        """Tied-embedding logits in the model dtype, then float32 softcap."""
+        return softcap(self.project(h), self.softcap)
 
     @property
     def split_vocab(self) -> bool:
@@ -95,15 +104,39 @@ class DecoderModel(nn.Module):
         the CPU streams (dlm.runtime.models.cpu_streams)."""
         return splits(self.embed_tokens)
 
-    def compiled(self):
-        if self._compiled is None:  # implicit inputs: only what these two read (not the layers)
-            if self.split_vocab or per_call(self.embed_tokens):  # eager: one vocabulary slice at a time
-                fns = (self.inputs, self.head)
-            else:
+    def compiled(self) -> "Ends":
+        if self._compiled is None:  # implicit inputs: only what these read (not the layers)
+            ends = Ends(self.inputs, self.inputs_probs, self.head)
+            if not (self.split_vocab or per_call(self.embed_tokens)):  # else eager: a vocabulary slice at a time
                 state = [self.embed_tokens.state, self.norm.state, self.self_conditioning.state]
-                fns = (mx.compile(self.inputs, inputs=state), mx.compile(self.head, inputs=state))
-            object.__setattr__(self, "_compiled", fns)
+                inputs, inputs_probs, project = (mx.compile(fn, inputs=state)
+                                                 for fn in (self.inputs, self.inputs_probs, self.project))
+                ends = Ends(inputs, inputs_probs, lambda h: softcap(project(h), self.softcap))
+            object.__setattr__(self, "_compiled", ends)
         return self._compiled
+
+    def ends(self, compile: bool) -> "Ends":
+        """The decoder's input and output ends, compiled or not."""
+        return self.compiled() if compile else Ends(self.inputs, self.inputs_probs, self.head)
+
+
+class Ends(NamedTuple):
+    inputs: Callable  # (canvas, sc_logits=None) -> h
+    inputs_probs: Callable  # (canvas, sc_probs) -> h
+    head: Callable  # h -> float32 softcapped logits
+
+
+@mx.compile
+def _softcap_rows(x: mx.array, cap: mx.array) -> mx.array:
+    return mx.tanh(x.astype(mx.float32) / cap) * cap
+
+
+def softcap(logits: mx.array, cap: float) -> mx.array:
+    """float32 ``tanh(logits / cap) * cap``: a tanh per vocabulary entry, its rows
+    split over the CPU streams (~14 ns an entry on one CPU thread: 0.9 s per
+    step at the released geometry, half that on two)."""
+    c = mx.array(cap, dtype=mx.float32)
+    return split_positions(lambda rows: _softcap_rows(rows, c), logits)
 
 
 class EncoderLayerScalar(nn.Module):
@@ -176,11 +209,12 @@ class Model(nn.Module):
       offset), appending post-norm post-RoPE K and normed V to ``cache``. Used for the
       prompt and for re-encoding each committed canvas at its own positions. Lazy.
     * ``prefill(ids, cache, chunk_size=2048) -> None``: ``encode`` in chunks, each evaluated.
-    * ``decode(canvas, cache, sc_logits=None, offset=None) -> mx.array``: one denoiser
-      pass over ``canvas`` ([B, L] or [L]) at positions ``offset..offset+L-1`` reading
-      ``cache`` read-only; ``sc_logits`` ([B, L, V], the previous step's processed
-      logits, or None on the first step of a canvas) drives self-conditioning.
-      Returns float32 softcapped logits [B, L, V].
+    * ``decode(canvas, cache, sc_logits=None, offset=None, sc_probs=None) -> mx.array``:
+      one denoiser pass over ``canvas`` ([B, L] or [L]) at positions
+      ``offset..offset+L-1`` reading ``cache`` read-only; ``sc_logits`` ([B, L, V],
+      the previous step's processed logits, or None on the first step of a canvas)
+      drives self-conditioning, or ``sc_probs``, their softmax_f32 already taken
+      (the generation loop's, canvas.py). Returns float32 softcapped logits [B, L, V].
     """
 
     def __init__(self, args: ModelArgs):
@@ -265,19 +299,21 @@ class Model(nn.Module):
 
     def decode(
         self, canvas, cache: list[PrefixCache], sc_logits: Optional[mx.array] = None,
-        offset: Optional[int] = None, collect: Optional[list] = None,
+        offset: Optional[int] = None, collect: Optional[list] = None, sc_probs: Optional[mx.array] = None,
     ) -> mx.array:
         canvas = self._ids(canvas)
         offset = cache[0].offset if offset is None else offset
         dec = self.model.decoder
-        if sc_logits is not None and sc_logits.ndim == 2:
-            sc_logits = sc_logits[None]
-        if self.compile:
-            inputs, head = dec.compiled()
-            h = inputs(canvas) if sc_logits is None else inputs(canvas, sc_logits)
-            offset = mx.array(offset, dtype=mx.int32)
+        ends = dec.ends(self.compile)
+        if sc_probs is not None:
+            h = ends.inputs_probs(canvas, sc_probs if sc_probs.ndim == 3 else sc_probs[None])
+        elif sc_logits is not None:
+            h = ends.inputs(canvas, sc_logits if sc_logits.ndim == 3 else sc_logits[None])
         else:
-            h, head = dec.inputs(canvas, sc_logits), dec.head
+            h = ends.inputs(canvas)
+        if self.compile:
+            offset = mx.array(offset, dtype=mx.int32)
+        head = ends.head
         for i, layer in enumerate(dec.layers):
             h = layer(layer_input(collect, h), cache[i], offset, False, compiled=self.compile)
             if collect is not None:

@@ -42,7 +42,7 @@ def denoise_structured(decode, draws, length: int, config: DenoiseConfig, fronti
     self-conditioning), each step's input with the frozen prefix pinned."""
     shape = (1, length)
     frontier.begin(length)
-    canvas, sc_logits = draws.canvas(shape), None
+    canvas, sc_probs = draws.canvas(shape), None
     revealed = mx.zeros(shape, dtype=mx.bool_)
     history, steps, window = [], 0, config.stability_threshold or 0
     for cur_step in range(config.steps, 0, -1):
@@ -50,7 +50,7 @@ def denoise_structured(decode, draws, length: int, config: DenoiseConfig, fronti
             break
         if cancel is not None and cancel():
             return StructuredCanvas([], steps, cancelled=True)
-        step = _build_step(decode, draws, config, _pin(canvas, frontier.frozen), sc_logits, revealed, history,
+        step = _build_step(decode, draws, config, _pin(canvas, frontier.frozen), sc_probs, revealed, history,
                            cur_step)
         mx.eval(*step.outputs(), step.keep)
         steps += 1
@@ -60,6 +60,6 @@ def denoise_structured(decode, draws, length: int, config: DenoiseConfig, fronti
         frontier.advance(np.array(step.argmax[0]), np.array(step.keep[0]), quota, Rows(step.logits[0]))
         if watch is not None:
             watch(steps - 1, frontier.frozen + np.array(step.argmax[0, len(frontier.frozen):]).tolist())
-        canvas, sc_logits, revealed = step.canvas, step.sc_logits, step.revealed
+        canvas, sc_probs, revealed = step.canvas, step.sc_probs, step.revealed
     tokens = list(frontier.frozen) + ([stop_id] if frontier.finished else [])
     return StructuredCanvas(tokens, steps)
