@@ -17,6 +17,7 @@ charset-normalizer idna urllib3 pillow``); without it only dlm is timed.
 
     .venv/bin/python -m scripts.bench_runtime --sizes release --canvases 1 --steps 2 --repeats 3
     .venv/bin/python -m scripts.bench_runtime --sizes small --limits   # + the machine's limits and the step's bound
+    .venv/bin/python -m scripts.bench_runtime --sizes release --dtypes f32 --canvases 1 --steps 4 --full-steps --pieces
 
 ``release`` is the released 26B-A4B text geometry (vocab 262144, canvas 256, 128 experts top-8) with
 ``--release-layers`` (2) decoder layers: ~4.8 GB bf16 source, a 9.2 GB float32 conversion, and both
@@ -39,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts import machine_limits
+from scripts import machine_limits, step_pieces
 from tests.builders import build_diffusion_gemma, convert_dir
 from scripts.peer import load_mlx_vlm
 
@@ -84,6 +85,22 @@ def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
     out = work / f"{size}-{dtype}"
     if not (out / "config.json").exists():
         convert_dir(hf, out, **DTYPES[dtype])
+    return out
+
+
+def without_early_stop(path: Path) -> Path:
+    """A sibling of the converted model whose generation_config.json sets
+    confidence_threshold 0, so neither tool's stable-and-confident rule ends a
+    canvas early (both read it from there) and every run denoises the full
+    --steps: the steady-state step, self-conditioning included, on both sides.
+    The other files are symbolic links."""
+    out = path.with_name(path.name + "-full-steps")
+    out.mkdir(exist_ok=True)
+    for f in path.iterdir():
+        if f.name != "generation_config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((path / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**config, "confidence_threshold": 0.0}, indent=2))
     return out
 
 
@@ -141,10 +158,16 @@ def main():
     ap.add_argument("--canvases", type=int, default=4, help="canvases per run")
     ap.add_argument("--steps", type=int, default=16, help="denoising steps per canvas")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs of each tool first (0 for steps of minutes, as 4-bit mlx-vlm at --sizes release)")
     ap.add_argument("--work", default=str(ROOT / ".bench"))
     ap.add_argument("--peer", default=str(ROOT / ".peer"))
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--release-layers", type=int, default=2, help="decoder layers of --sizes release")
+    ap.add_argument("--full-steps", action="store_true",
+                    help="no early stop (confidence_threshold 0 for both tools): every canvas runs --steps steps")
+    ap.add_argument("--pieces", action="store_true",
+                    help="also time the pieces of one steady-state dlm step (scripts/step_pieces.py)")
     ap.add_argument("--limits", action="store_true",
                     help="also measure this machine's limits at each model's shapes (scripts/machine_limits.py) "
                          "and print dlm's step as a multiple of its matrix-product bound")
@@ -163,6 +186,8 @@ def main():
     for size in a.sizes:
         for dtype in a.dtypes:
             path = build(work, size, dtype, a.release_layers)
+            if a.full_steps:
+                path = without_early_stop(path)
             loaded = api.load(path)
             max_tokens = a.canvases * loaded.args.canvas_length
             # release: mlx-vlm's copy of the model sits in the same process, and dlm's default
@@ -173,8 +198,9 @@ def main():
                 vmodel, vproc = vlm_load(str(path))
                 tools["mlx-vlm"] = lambda seed: run_vlm(vmodel, vproc, prompt_ids, max_tokens, a.steps, seed)
             runs = {name: [] for name in tools}
-            for name, fn in tools.items():
-                fn(0)  # warm-up
+            for _ in range(a.warmup):
+                for name, fn in tools.items():
+                    fn(0)
             for r in range(a.repeats):
                 for name, fn in tools.items():
                     runs[name].append(fn(r + 1))
@@ -195,6 +221,10 @@ def main():
             if "speedup" in row:
                 line += f" | dlm/mlx-vlm {row['speedup']:.2f}x tok/s, {row['step_speedup']:.2f}x per step"
             print(line, flush=True)
+            if a.pieces:
+                rep = step_pieces.report(loaded, prompt_ids)
+                row["pieces"] = rep
+                print("      pieces of one dlm step: " + step_pieces.format_report(rep), flush=True)
             if a.limits:
                 lim = machine_limits.report(loaded, len(prompt_ids), repeats=2)
                 lim["dlm_step_over_bound"] = row["dlm"]["ms_per_step"] / 1000 / lim["bound"]["seconds"]
@@ -211,7 +241,8 @@ def main():
     command = " ".join([Path(sys.executable).name, "-m", __spec__.name] + sys.argv[1:])
     meta = {"command": command, "mlx": mx.__version__,
             "mlx_vlm": vlm_version, "device": str(mx.default_device()), "machine": platform.machine(),
-            "canvases": a.canvases, "steps": a.steps, "repeats": a.repeats}
+            "canvases": a.canvases, "steps": a.steps, "repeats": a.repeats, "warmup": a.warmup,
+            "full_steps": a.full_steps}
     print(json.dumps(meta))
     if a.json:
         Path(a.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
