@@ -55,6 +55,20 @@ def group_sizes(monkeypatch):
     return sizes
 
 
+@pytest.fixture
+def kind_sizes(monkeypatch):
+    """How many requests each merged step build (batch.build) took."""
+    sizes = []
+    real = dg_batch.build
+
+    def counting(members, logits):
+        sizes.append(len(members))
+        return real(members, logits)
+
+    monkeypatch.setattr(dg_batch, "build", counting)
+    return sizes
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_dg_mlx_dir):
     return api.load(tiny_dg_mlx_dir)
@@ -104,7 +118,7 @@ def stopping(loaded):
     return dataclasses.replace(loaded, generation_config=config)
 
 
-def test_early_stops_and_eos_equal_solo(stopping, group_sizes):
+def test_early_stops_and_eos_equal_solo(stopping, group_sizes, kind_sizes):
     prompts = [list(range(2, 14 + i)) for i in range(5)]
     options = [{"max_tokens": 48, "max_denoising_steps": 8, "seed": 10 + i} for i in range(5)]
     want = solo(stopping, prompts, options)
@@ -113,6 +127,7 @@ def test_early_stops_and_eos_equal_solo(stopping, group_sizes):
     got = [summary(r) for r in api.generate_batch(stopping, prompts, options)]
     assert got == want
     assert max(group_sizes) == 5
+    assert max(kind_sizes) == 5  # the five requests' steps were built as one (build_steps)
 
 
 def test_trained_demo_model_equal_solo(group_sizes):

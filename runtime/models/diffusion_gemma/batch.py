@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ...generate import Block
 from . import sampling as S
-from .canvas import CanvasResult, _build_step
+from .canvas import CanvasResult, build_steps
 
 
 class Member:
@@ -38,6 +38,7 @@ class Member:
         self.session = session
         self.finished: Optional[Block] = None  # the block of the canvas that just ended
         self.length = 0
+        self._settings = None
         self._reset()
 
     def _reset(self) -> None:
@@ -112,12 +113,18 @@ class Member:
         self.session.draws.restore(self.mark)
         self._end(CanvasResult(self.step.argmax, self.steps, True))
 
-    def build(self, logits: mx.array) -> None:
-        """The next step's graph around ``logits`` (this member's slice of the batch)."""
-        canvas, sc, revealed, cur = self.inputs
-        self.session.draws.restore(self.mark)  # a rebuild draws again what the discarded build drew
-        self.following = _build_step(lambda c, s: logits, self.session.draws, self.session.denoise,
-                                     canvas, sc, revealed, self.history, cur)
+    def kind(self) -> tuple:
+        """Members of one kind build their next steps together (build_steps): the
+        same settings, the same step of the schedule, as much history, and draws
+        of one kind."""
+        window = self.session.denoise.stability_threshold or 0
+        return (self.settings, self.inputs[3], min(len(self.history), window), type(self.session.draws))
+
+    @property
+    def settings(self) -> str:
+        if self._settings is None:
+            self._settings = repr(self.session.denoise)
+        return self._settings
 
     def launch(self) -> list[mx.array]:
         """The step just built becomes the current step; returns what to evaluate."""
@@ -163,32 +170,50 @@ class Batch:
             mx.async_eval([out for m in going for out in m.launch()])
 
     def _build(self, members: list[Member]) -> None:
-        for m, logits in zip(members, decode(self.model, [m.inputs[0] for m in members],
-                                             [m.inputs[1] for m in members],
-                                             [m.session.cache for m in members])):
-            m.build(logits)
+        """The next step of every member: one decoder forward per canvas length,
+        then one step graph (build_steps) per kind of member in it."""
+        for group, logits in decode(self.model, [m.inputs[0] for m in members], [m.inputs[1] for m in members],
+                                    [m.session.cache for m in members]):
+            kinds: dict[tuple, list[int]] = {}
+            for row, i in enumerate(group):
+                kinds.setdefault(members[i].kind(), []).append(row)
+            for rows in kinds.values():
+                part = logits if len(rows) == len(group) else logits[mx.array(rows)]
+                build([members[group[r]] for r in rows], part)
+
+
+def build(members: list[Member], logits: mx.array) -> None:
+    """The next steps of members of one kind around their logits [B, L, V]."""
+    for m in members:
+        m.session.draws.restore(m.mark)  # a rebuild draws again what the discarded build drew
+    first = members[0]
+    canvas = mx.concatenate([m.inputs[0] for m in members]) if len(members) > 1 else first.inputs[0]
+    revealed = mx.concatenate([m.inputs[2] for m in members]) if len(members) > 1 else first.inputs[2]
+    steps = build_steps(logits, [(m.session.draws, m.history) for m in members], first.session.denoise,
+                        canvas, revealed, first.inputs[3])
+    for m, step in zip(members, steps):
+        m.following = step
 
 
 def decode(model, canvases: list[mx.array], sc_probs: list[Optional[mx.array]],
-           caches: list[list]) -> list[mx.array]:
+           caches: list[list]) -> list[tuple[list[int], mx.array]]:
     """``model.decode`` of many canvases ([1, L] each; self-conditioning
     probabilities [1, L, V] or None) against their own prefix caches: one forward
-    per canvas length, the logits [1, L, V] of each in order."""
-    out: list[Optional[mx.array]] = [None] * len(canvases)
+    per canvas length; returns (the canvases' indices, their logits [B, L, V] in
+    that order) per forward."""
+    out = []
     groups: dict[int, list[int]] = {}
     for i, c in enumerate(canvases):
         groups.setdefault(c.shape[-1], []).append(i)
     for idx in groups.values():
         if len(idx) == 1:  # alone: exactly the solo call
             i = idx[0]
-            out[i] = model.decode(canvases[i], caches[i], sc_probs=sc_probs[i])
+            out.append((idx, model.decode(canvases[i], caches[i], sc_probs=sc_probs[i])))
             continue
         # Canvases with self-conditioning first, then the first steps (no sc).
         idx = [i for i in idx if sc_probs[i] is not None] + [i for i in idx if sc_probs[i] is None]
-        logits = _decode_group(model, [canvases[i] for i in idx], [sc_probs[i] for i in idx],
-                               [caches[i] for i in idx])
-        for j, i in enumerate(idx):
-            out[i] = logits[j : j + 1]
+        out.append((idx, _decode_group(model, [canvases[i] for i in idx], [sc_probs[i] for i in idx],
+                                       [caches[i] for i in idx])))
     return out
 
 

@@ -71,13 +71,14 @@ class RandomDraws:
     def canvas(self, shape: tuple[int, ...]) -> mx.array:
         return mx.random.randint(0, self.vocab, shape, dtype=mx.int32, key=self._key())
 
+    def uniforms(self, shape: tuple[int, ...], temperature: float) -> Optional[mx.array]:
+        """The uniforms of a draw at ``temperature`` (one per position); None: the draw is the argmax."""
+        return None if temperature == 0 else mx.random.uniform(shape=shape, key=self._key())
+
     def sample(self, scores: V.Scores, temperature: float) -> mx.array:
         """A draw from softmax(proc / temperature) per position (one uniform each:
         scores.sample); temperature 0: the argmax."""
-        if temperature == 0:
-            return scores.argmax
-        u = mx.random.uniform(shape=scores.argmax.shape, key=self._key())
-        return V.sample(scores, temperature, u)
+        return _draw(scores, temperature, self.uniforms(scores.argmax.shape, temperature))
 
 
 class DebugDraws:
@@ -101,8 +102,15 @@ class DebugDraws:
         self.n += 1
         return mx.broadcast_to(pattern, shape)
 
+    def uniforms(self, shape: tuple[int, ...], temperature: float) -> None:
+        return None
+
     def sample(self, scores: V.Scores, temperature: float) -> mx.array:
         return scores.argmax
+
+
+def _draw(scores: V.Scores, temperature: float, u: Optional[mx.array]) -> mx.array:
+    return scores.argmax if u is None else V.sample(scores, temperature, u)
 
 
 @mx.compile
@@ -124,7 +132,8 @@ def _stable_confident(argmax, history, entropy, threshold):
 
 
 def _stable_and_confident(argmax, history, entropy, config: "DenoiseConfig") -> Optional[mx.array]:
-    """The stop flag, or None when the history is too short to be stable (no host sync needed)."""
+    """The stop flag per canvas ([B]), or None when the history is too short to be
+    stable (no host sync needed)."""
     window = config.stability_threshold
     if window and len(history) < window:
         return None
@@ -159,14 +168,30 @@ def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_probs, revealed
                 cur_step: int, summarise: bool = False) -> _Step:
     """The lazy graph of one denoising step (nothing is evaluated here);
     ``summarise``: also its per-position summary (--trace, trace.py)."""
+    return build_steps(decode(canvas, sc_probs), [(draws, history)], config, canvas, revealed, cur_step,
+                       summarise)[0]
+
+
+def build_steps(logits, members, config: DenoiseConfig, canvas, revealed, cur_step: int,
+                summarise: bool = False) -> list[_Step]:
+    """The step around ``logits`` [B, L, V] of B canvases that share ``config`` and
+    ``cur_step`` (batched generation merges the requests that do): ``members`` is
+    one (draws, history) per canvas (row), ``canvas`` / ``revealed`` [B, L]. Every
+    op runs row by row and each canvas draws from its own draws in its own order,
+    so a canvas gets the very step it gets alone; returns one _Step per canvas."""
     revealed_in = revealed
-    logits = decode(canvas, sc_probs)
     schedule = config.t_min is not None and config.t_max is not None
     t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
     scores = V.score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
     proc, argmax, entropy = scores.proc, scores.argmax, scores.entropy
-    sample = draws.sample(scores, config.temperature)
-    noise = draws.canvas(canvas.shape)  # drawn every step, as the reference does
+    row = (1,) + canvas.shape[1:]
+    uniforms, noises = [], []
+    for draws, _ in members:  # each canvas's draws in the order it takes them alone
+        uniforms.append(draws.uniforms(row, config.temperature))
+        noises.append(draws.canvas(row))  # drawn every step, as the reference does
+    sample = _draw(scores, config.temperature, None if uniforms[0] is None else _rows(uniforms))
+    noise = _rows(noises)
+    history = [_rows([h[k] for _, h in members]) for k in range(len(members[0][1]))]
     if config.sampler == S.CONFIDENCE_THRESHOLD:
         canvas, revealed = _confidence_step(scores.top1, canvas, revealed, sample, noise, config.threshold)
         keep = revealed
@@ -177,17 +202,31 @@ def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_probs, revealed
         stop = _stable_and_confident(argmax, history, entropy, config)
     settled = stop
     if config.sampler == S.CONFIDENCE_THRESHOLD:
-        done = mx.all(revealed)
+        done = mx.all(revealed, axis=-1)
         stop = done if stop is None else stop | done
     if config.sc_dtype == mx.float32:
         sc = scores.probs
     else:  # the softmax of the logits as the decoder's dtype holds them (reference §3.8)
         sc = mx.softmax(proc.astype(config.sc_dtype).astype(mx.float32), axis=-1)
-    step = _Step(logits, argmax, canvas, revealed, sc, stop, keep)
-    if summarise:
-        step.summary = summarise_step(config, t, argmax, proc, entropy, canvas, revealed_in, revealed,
-                                      settled, done)
-    return step
+    if len(members) == 1:
+        step = _Step(logits, argmax, canvas, revealed, sc, _flag(stop, 0), keep)
+        if summarise:
+            step.summary = summarise_step(config, t, argmax, proc, entropy, canvas, revealed_in, revealed,
+                                          _flag(settled, 0), _flag(done, 0))
+        return [step]
+    return [_Step(logits[i : i + 1], argmax[i : i + 1], canvas[i : i + 1], revealed[i : i + 1], sc[i : i + 1],
+                  _flag(stop, i), keep[i : i + 1]) for i in range(len(members))]
+
+
+def _rows(arrays: list[mx.array]) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
+
+
+def _flag(flags: Optional[mx.array], i: int) -> Optional[mx.array]:
+    """Canvas ``i``'s stop flag (a scalar) of the per-canvas flags."""
+    if flags is None or flags.ndim == 0:
+        return flags
+    return flags[i]
 
 
 def denoise_canvas(

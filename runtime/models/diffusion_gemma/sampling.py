@@ -49,21 +49,24 @@ def confidence_accept(top1: mx.array, revealed: mx.array, threshold: float) -> m
 
 
 def stable(argmax: mx.array, history: list[mx.array], window: int) -> mx.array:
-    """The argmax canvas equals each of the last ``window`` ones (0: always stable;
-    fewer than ``window`` earlier steps: not stable, as the -1 initialised history)."""
+    """Per canvas (the last axis): the argmax canvas equals each of the last
+    ``window`` ones (0: always stable; fewer than ``window`` earlier steps: not
+    stable, as the -1 initialised history)."""
     if window == 0:
         return mx.array(True)
     if len(history) < window:
         return mx.array(False)
     ok = mx.array(True)
     for previous in history[-window:]:
-        ok = ok & mx.all(previous == argmax)
+        ok = ok & mx.all(previous == argmax, axis=-1)
     return ok
 
 
 def confident(entropy: mx.array, threshold: float) -> mx.array:
-    """Mean per-position entropy strictly below ``threshold``."""
-    return mx.mean(entropy) < threshold
+    """Per canvas (the last axis): mean per-position entropy strictly below
+    ``threshold`` (a row reduction, so a canvas gets the same mean alone or in
+    a batch)."""
+    return mx.mean(entropy, axis=-1) < threshold
 
 
 def debug_canvas_pattern(n: int, length: int, vocab: int) -> mx.array:
