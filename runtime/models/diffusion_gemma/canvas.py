@@ -184,7 +184,7 @@ def build_steps(logits, members, config: DenoiseConfig, canvas, revealed, cur_st
     t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
     scores = V.score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
     proc, argmax, entropy = scores.proc, scores.argmax, scores.entropy
-    row = (1,) + canvas.shape[1:]
+    row = canvas.shape if len(members) == 1 else (1,) + canvas.shape[1:]  # one member's rows
     uniforms, noises = [], []
     for draws, _ in members:  # each canvas's draws in the order it takes them alone
         uniforms.append(draws.uniforms(row, config.temperature))
@@ -209,10 +209,10 @@ def build_steps(logits, members, config: DenoiseConfig, canvas, revealed, cur_st
     else:  # the softmax of the logits as the decoder's dtype holds them (reference §3.8)
         sc = mx.softmax(proc.astype(config.sc_dtype).astype(mx.float32), axis=-1)
     if len(members) == 1:
-        step = _Step(logits, argmax, canvas, revealed, sc, _flag(stop, 0), keep)
+        step = _Step(logits, argmax, canvas, revealed, sc, _all(stop), keep)
         if summarise:
             step.summary = summarise_step(config, t, argmax, proc, entropy, canvas, revealed_in, revealed,
-                                          _flag(settled, 0), _flag(done, 0))
+                                          _all(settled), _all(done))
         return [step]
     return [_Step(logits[i : i + 1], argmax[i : i + 1], canvas[i : i + 1], revealed[i : i + 1], sc[i : i + 1],
                   _flag(stop, i), keep[i : i + 1]) for i in range(len(members))]
@@ -227,6 +227,13 @@ def _flag(flags: Optional[mx.array], i: int) -> Optional[mx.array]:
     if flags is None or flags.ndim == 0:
         return flags
     return flags[i]
+
+
+def _all(flags: Optional[mx.array]) -> Optional[mx.array]:
+    """One member's flag over all its canvases (a scalar)."""
+    if flags is None or flags.ndim == 0:
+        return flags
+    return flags[0] if flags.shape[0] == 1 else mx.all(flags)
 
 
 def denoise_canvas(
