@@ -45,7 +45,7 @@ def _time(fn, repeats: int) -> tuple[float, object]:
 
 
 def _fields(s: V.Scores) -> list[mx.array]:
-    return [s.proc, s.argmax, s.entropy, s.weights, s.total]
+    return [s.argmax, s.entropy, s.probs, s.total]
 
 
 def pieces(loaded, prompt_ids: list[int], repeats: int = 2) -> dict[str, float]:
@@ -70,7 +70,7 @@ def pieces(loaded, prompt_ids: list[int], repeats: int = 2) -> dict[str, float]:
     out["softcap"], logits = _time(lambda: softcap(raw, dec.softcap), repeats)
     t = mx.array(0.6, dtype=mx.float32)
     out["vocabulary pass (scores)"], parts = _time(lambda: _fields(V.score(logits, t)), repeats)
-    s = V.Scores(*parts)
+    s = V.Scores(logits, t, *parts)
 
     def draw_accept_renoise():
         sample = draws.sample(s, 1.0)

@@ -16,6 +16,7 @@ Off on Metal/CUDA (their kernels are parallel already), inside ``mx.compile``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Callable
@@ -54,27 +55,40 @@ def splits(module) -> bool:
     return "scales" in module and parallel() and not per_call(module)
 
 
-def split_rows(fn: Callable[..., mx.array], *arrays: mx.array) -> mx.array:
+def split_rows(fn: Callable[..., mx.array], *arrays: mx.array, piece_bytes: int = 0) -> mx.array:
     """``fn(*arrays)`` with the arrays' leading (row) axis split over the CPU
     streams; ``fn`` must treat rows independently. ``fn`` may return a tuple
-    of arrays (each with the rows as its leading axis)."""
+    of arrays (each with the rows as its leading axis). ``piece_bytes``: also
+    cut the rows into pieces of about that many bytes of ``arrays[0]`` (taking
+    turns on the streams), a piece starting only once the one a turn back on
+    its stream is done (left alone, MLX's scheduler runs every piece's first
+    op first, and all their temporaries live at once), so the temporaries
+    ``fn`` makes stay that small."""
     streams = cpu_streams()
     rows = arrays[0].shape[0]
     n = min(len(streams), rows // MIN_ROWS)
+    if piece_bytes:
+        row_bytes = arrays[0].nbytes // max(rows, 1)
+        n = max(n, -(-rows // max(piece_bytes // max(row_bytes, 1), 1)))
     if n < 2:
         return fn(*arrays)
     bounds = [rows * i // n for i in range(n + 1)]
     parts = []
-    for i, stream in enumerate(streams[:n]):
-        with mx.stream(stream):
-            parts.append(fn(*(a[bounds[i]:bounds[i + 1]] for a in arrays)))
+    ahead = max(1, len(streams))
+    for i in range(n):
+        with mx.stream(streams[i % len(streams)]) if streams else contextlib.nullcontext():
+            piece = [a[bounds[i]:bounds[i + 1]] for a in arrays]
+            if piece_bytes and i >= ahead:
+                before = parts[i - ahead]
+                piece = mx.depends(piece, list(before) if isinstance(before, (tuple, list)) else [before])
+            parts.append(fn(*piece))
     if isinstance(parts[0], (tuple, list)):
         return tuple(mx.concatenate(pieces, axis=0) for pieces in zip(*parts))
     return mx.concatenate(parts, axis=0)
 
 
-def split_positions(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+def split_positions(fn: Callable[[mx.array], mx.array], x: mx.array, piece_bytes: int = 0) -> mx.array:
     """``fn`` over ``x`` [..., D], every leading position a row, split over the CPU streams."""
     flat = x.reshape(-1, x.shape[-1])
-    out = split_rows(fn, flat)
+    out = split_rows(fn, flat, piece_bytes=piece_bytes)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -87,8 +87,8 @@ def test_split_over_cpu_streams_is_bitwise_one_stream(monkeypatch):
     split_cap = softcap(x * 5, 30.0)
     monkeypatch.setattr(cpu_streams, "cpu_streams", lambda: [])
     one = V.score(x, 0.6)
-    for a, b in zip((split.proc, split.argmax, split.entropy, split.weights, split.total),
-                    (one.proc, one.argmax, one.entropy, one.weights, one.total)):
+    for a, b in zip((split.proc, split.argmax, split.entropy, split.probs, split.total),
+                    (one.proc, one.argmax, one.entropy, one.probs, one.total)):
         assert np.array_equal(np.array(a), np.array(b))
     for t, d in zip((1.0, 0.5), split_draws):
         assert np.array_equal(np.array(V.sample(one, t, u)), np.array(d))

@@ -181,7 +181,7 @@ class CanvasSession:
         kv = sum((min(positions, window) if kind == SLIDING else positions) * heads * dim * 2 * item
                  for kind, heads, dim in zip(args.layer_types, args.layer_kv_heads, args.layer_head_dims))
         canvas = s.max_canvas
-        logits = 6 * canvas * args.vocab_size * 4
+        logits = 8 * canvas * args.vocab_size * 4  # measured 7.4x at the released geometry (scores.py)
         rows = max(min(s.prefill_step_size, len(self.prompt_ids)), canvas)
         if self.blocks is not None:  # a chunk grows to hold a whole image block
             rows = max(rows, max(i.soft_tokens for i in self.images) + s.prefill_step_size)

@@ -19,6 +19,7 @@ from ..quantized import embedding_matmul, per_call, wants
 from ..rows import as_linear, matmul
 from ..taps import layer_input
 from .config import SLIDING, ModelArgs
+from .scores import PIECE_BYTES
 from .layers import DecoderLayer, PrefixCache, RMSNorm, SelfConditioning
 from .vision import MultimodalEmbedder, VisionArgs, VisionModel
 
@@ -136,7 +137,7 @@ def softcap(logits: mx.array, cap: float) -> mx.array:
     split over the CPU streams (MLX's CPU tanh: 10-18 ns an entry on one thread,
     0.7-1.2 s per step at the released geometry; about half that on two)."""
     c = mx.array(cap, dtype=mx.float32)
-    return split_positions(lambda rows: _softcap_rows(rows, c), logits)
+    return split_positions(lambda rows: _softcap_rows(rows, c), logits, piece_bytes=PIECE_BYTES)
 
 
 class EncoderLayerScalar(nn.Module):

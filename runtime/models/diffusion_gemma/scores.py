@@ -11,8 +11,8 @@ per entry (reference §4.2-4.5):
 The entropy is torch's ``-Σ softmax(proc) · log_softmax(proc)`` rewritten
 (log_softmax = z - log s), and the softmax is the self-conditioning input of
 the next step, so the decoder takes no second pass of its own. A categorical
-draw at temperature 1 reads the same ``e``: one uniform per position, found in
-the running sum of ``e`` (inverse-CDF sampling: the distribution softmax(proc),
+draw at temperature 1 reads the same softmax: one uniform per position, found
+in its running sum (inverse-CDF sampling: the distribution softmax(proc),
 up to float32 rounding of the running sum), instead of V Gumbel draws per
 position. Exactness is unchanged: argmax and the debug canvas never draw.
 
@@ -36,20 +36,27 @@ from ..cpu_streams import split_rows
 
 _F32_MIN = float(np.finfo(np.float32).min)
 _TINY = float(np.finfo(np.float32).tiny)
+# Rows are scored a piece of this many bytes of logits at a time: the pass makes
+# a few temporaries the size of its input, which at the released geometry
+# (256 x 262144 float32, 268 MB) would otherwise add ~1 GB to a step's peak.
+PIECE_BYTES = 32 << 20
 
 
 @dataclass
 class Scores:
-    proc: mx.array  # [..., L, V] logits / T
-    argmax: mx.array  # [..., L] int32
+    logits: mx.array  # [..., L, V] float32
+    t: mx.array  # the step's temperature
+    argmax: mx.array  # [..., L] int32, of proc
     entropy: mx.array  # [..., L] float32
-    weights: mx.array  # [..., L, V] exp(proc - max proc): the unnormalised softmax
-    total: mx.array  # [..., L, 1] their sum
+    probs: mx.array  # [..., L, V] softmax(proc), float32
+    total: mx.array  # [..., L, 1] Σ exp(proc - max proc)
 
     @property
-    def probs(self) -> mx.array:
-        """softmax(proc), float32."""
-        return self.weights / self.total
+    def proc(self) -> mx.array:
+        """logits / T (computed where asked for: the trace, a half-precision
+        self-conditioning input, a draw at another temperature), so the step
+        holds one [L, V] array of its own, the softmax."""
+        return self.logits / self.t
 
     @property
     def top1(self) -> mx.array:
@@ -66,17 +73,17 @@ def _score_rows(logits: mx.array, t: mx.array):
     weights = mx.exp(z)
     total = weights.sum(axis=-1, keepdims=True)
     entropy = mx.log(total[:, 0]) - (weights * z).sum(axis=-1) / total[:, 0]
-    return proc, argmax.astype(mx.int32), entropy, weights, total
+    return argmax.astype(mx.int32), entropy, weights / total, total
 
 
 def score(logits: mx.array, t) -> Scores:
     """The step's scores of float32 ``logits`` [..., V] at temperature ``t`` (lazy)."""
     t = t if isinstance(t, mx.array) else mx.array(t, dtype=mx.float32)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    parts = split_rows(lambda rows: _score_rows(rows, t), logits.reshape(-1, vocab))
-    proc, argmax, entropy, weights, total = parts
-    return Scores(proc.reshape(*lead, vocab), argmax.reshape(lead), entropy.reshape(lead),
-                  weights.reshape(*lead, vocab), total.reshape(*lead, 1))
+    argmax, entropy, probs, total = split_rows(lambda rows: _score_rows(rows, t), logits.reshape(-1, vocab),
+                                               piece_bytes=PIECE_BYTES)
+    return Scores(logits, t, argmax.reshape(lead), entropy.reshape(lead), probs.reshape(*lead, vocab),
+                  total.reshape(*lead, 1))
 
 
 @mx.compile
@@ -95,13 +102,14 @@ def _tempered_rows(proc: mx.array, argmax: mx.array, temperature: mx.array) -> m
 
 def sample(scores: Scores, temperature: float, u: mx.array) -> mx.array:
     """A draw from softmax(proc / temperature) per position, ``u`` [..., L] uniform
-    in [0, 1); temperature 1 reuses the step's own weights (no extra pass)."""
-    lead, vocab = scores.argmax.shape, scores.proc.shape[-1]
+    in [0, 1); temperature 1 reuses the step's own softmax (no extra exponential)."""
+    lead, vocab = scores.argmax.shape, scores.probs.shape[-1]
     flat_u = u.reshape(-1)
     if temperature == 1:
-        draw = split_rows(_inverse_cdf_rows, scores.weights.reshape(-1, vocab), flat_u)
+        draw = split_rows(_inverse_cdf_rows, scores.probs.reshape(-1, vocab), flat_u, piece_bytes=PIECE_BYTES)
     else:
         temp = mx.array(temperature, dtype=mx.float32)
         draw = split_rows(lambda p, a, r: _inverse_cdf_rows(_tempered_rows(p, a, temp), r),
-                          scores.proc.reshape(-1, vocab), scores.argmax.reshape(-1), flat_u)
+                          scores.proc.reshape(-1, vocab), scores.argmax.reshape(-1), flat_u,
+                          piece_bytes=PIECE_BYTES)
     return draw.reshape(lead)
