@@ -167,9 +167,9 @@ def main():
     ap.add_argument("--release-layers", type=int, default=2, help="layers of --sizes release (layer 0 is dense)")
     a = ap.parse_args()
 
-    import mlx.core as mx
+    from dlm.runtime import api, blas  # first: loads the optimized BLAS ahead of MLX
 
-    from dlm.runtime import api
+    import mlx.core as mx
 
     vlm_load, vlm_version = load_mlx_vlm(a.peer)
 
@@ -213,7 +213,7 @@ def main():
             mx.clear_cache()
 
     command = " ".join([Path(sys.executable).name, "-m", __spec__.name] + sys.argv[1:])
-    meta = {"command": command, "mlx": mx.__version__,
+    meta = {"command": command, "mlx": mx.__version__, "blas": blas.STATUS,
             "mlx_vlm": vlm_version, "device": str(mx.default_device()), "machine": platform.machine(),
             "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens, "repeats": a.repeats}
     print(json.dumps(meta))

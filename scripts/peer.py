@@ -10,6 +10,8 @@ import sys
 def load_mlx_vlm(peer_dir: str):
     """``(mlx_vlm.load, its version)`` from ``peer_dir``, or ``(None, None)``
     with a line on stderr when it is not installed there (dlm is timed alone)."""
+    import dlm.runtime  # noqa: F401  (before mlx-vlm imports MLX: the optimized BLAS, dlm.runtime.blas)
+
     if peer_dir not in sys.path:
         sys.path.append(peer_dir)
     try:

@@ -88,12 +88,13 @@ def assert_step_logits_equal_solo(loaded, prompts, options):
 
 
 def test_every_step_logits_equal_solo_bitwise(loaded, group_sizes):
-    """Odd block lengths (3, 5): a merged GEMM over the batch's rows would differ here."""
-    prompts = [ids(9, 5), ids(23, 6), ids(5, 7), ids(14, 8)]
+    """Odd block lengths (3, 5): a merged GEMM over the batch's rows would differ here.
+    The last three prompts are as long: their caches attend in one batched call."""
+    prompts = [ids(9, 5), ids(23, 6), ids(5, 7), ids(14, 8), ids(11, 9), ids(11, 10), ids(11, 11)]
     options = [{"max_tokens": 14, "seed": i, "block_length": n, "temp": 0.5}
-               for i, n in enumerate([3, 3, 5, 5])]
+               for i, n in enumerate([3, 3, 5, 5, 4, 4, 4])]
     assert_step_logits_equal_solo(loaded, prompts, options)
-    assert max(group_sizes) == 2
+    assert max(group_sizes) == 3
 
 
 def test_trained_demo_model_equal_solo(group_sizes):
@@ -107,6 +108,41 @@ def test_trained_demo_model_equal_solo(group_sizes):
     assert any(r[6] for r in want) and any(r[3] == "stop" for r in want)
     assert [summary(r) for r in api.generate_batch(demo, prompts, options)] == want
     assert max(group_sizes) >= 3
+
+
+@pytest.fixture
+def reveal_sizes(monkeypatch):
+    """How many blocks each merged sampling-and-reveal graph (batch.reveal_rows) took."""
+    sizes = []
+    real = ll_batch.reveal_rows
+
+    def counting(session, requests):
+        sizes.append(len(requests))
+        return real(session, requests)
+
+    monkeypatch.setattr(ll_batch, "reveal_rows", counting)
+    return sizes
+
+
+def test_one_kind_steps_merge_and_equal_solo(loaded, group_sizes, reveal_sizes):
+    """Requests of one kind (sampler, block length, stops) sample and reveal in
+    one graph over their rows, each with its own seed, uniforms, threshold,
+    schedule, step quota and budget: each still gets what it gets alone. The trained model
+    stops early and at EOS; the random one makes every draw count."""
+    demo = api.load(ROOT / "demo" / "llada2_sort")
+    texts = ["sort 3 1 2", "sort 9 4 7 1 5 3", "sort 5", "sort 8 6 4 2 0 9 7", "sort 4 4 1"]
+    cases = [(demo, [api.encode_prompt(demo, t) for t in texts]), (loaded, [ids(9 + 5 * i, i) for i in range(5)])]
+    for model, prompts in cases:
+        options = [{"max_tokens": 32 - 3 * i, "seed": i, "temp": 0.9, "threshold": 0.95 - 0.1 * i,
+                    "block_length": 8, "max_denoising_steps": steps} for i, steps in enumerate([4, 8, 3, 8, 5])]
+        options[1]["threshold_schedule"] = "linear"
+        want = solo(model, prompts, options)
+        if model is demo:
+            assert any(r[6] for r in want) and any(r[3] == "stop" for r in want)
+        reveal_sizes.clear()
+        assert [summary(r) for r in api.generate_batch(model, prompts, options)] == want
+        assert max(reveal_sizes) == 5
+    assert max(group_sizes) == 5
 
 
 def polls_then_cancel(n):

@@ -12,11 +12,13 @@ positions). The requests' per-step flags ("is the block final", the 2.1 edit
 counts) are read in one host sync per step.
 
 ``Member`` is the one implementation of a block (2.0 denoising, 2.1 editing):
-a generator that yields where it needs the model (``Forward``) or a flag on the
-host (``Sync``). Alone, BlockSession.next_block runs it with ``run_alone``
-(each Forward is the solo model call, each Sync one read); in a batch, the
-batch answers every member's Forward with one forward and every member's Sync
-with one evaluation. It uses the session's own helpers (sampling, reveal,
+a generator that yields where it needs the model (``Forward``), a 2.0 step's
+sampling and reveal (``Reveal``) or a flag on the host (``Sync``). Alone,
+BlockSession.next_block runs it with ``run_alone`` (each Forward is the solo
+model call, each Reveal a batch of one, each Sync one read); in a batch, the
+batch answers every member's Forward with one forward, the Reveals of one kind
+(the same settings and block length) with one graph over their rows, and every
+member's Sync with one evaluation. It uses the session's own helpers (sampling, reveal,
 trace); a structured block (structured.py) runs as a plain call inside it.
 """
 
@@ -41,6 +43,50 @@ class Forward:
 
     ids: mx.array
     mask: Optional[mx.array]
+
+
+@dataclass
+class Reveal:
+    """A 2.0 step after its forward: sample, reveal and test the block
+    (``reveal_rows``; blocks of one ``kind`` are answered in one graph)."""
+
+    kind: tuple
+    logits: mx.array  # [bl, V], before the logit bias
+    uniforms: Optional[np.ndarray]  # [bl], this block's own draws
+    block: mx.array
+    in_gen: mx.array  # [bl] bool: generated positions
+    threshold: float
+    quota: int
+    need: int  # positions that reach the output
+
+
+def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
+    """(tokens, confidences, written, new block, final?) for each request: the
+    denoising step of generate.py's 2.0 loop over a batch axis. Every row is
+    computed on its own (row-wise sampling, integer rules), so a block gets the
+    same values in any batch; ``session`` is any member's (all share the kind)."""
+    s, bl = session.s, session.bl
+    logits = mx.stack([r.logits for r in reqs])
+    if session.logit_bias is not None:
+        logits = logits + session.logit_bias
+    u = np.stack([r.uniforms for r in reqs]) if session.needs_uniforms else None
+    tok, conf = sample(logits, s, u)
+    block, in_gen = mx.stack([r.block for r in reqs]), mx.stack([r.in_gen for r in reqs])
+    active = (block == s.mask_token_id) & in_gen
+    threshold = mx.array([[r.threshold] for r in reqs], dtype=mx.float32)
+    write = reveal(active, conf, threshold, mx.array([[r.quota] for r in reqs]))
+    block = mx.where(write, tok.astype(block.dtype), block)
+    # Final once no mask is left before the output budget or before a stop token.
+    pos = mx.arange(bl)
+    masked = (block == s.mask_token_id) & in_gen
+    first_mask = mx.min(mx.where(masked, pos, bl), axis=-1)
+    done = first_mask >= mx.array([r.need for r in reqs])
+    if s.early_stop and session.stop_arr is not None:
+        is_stop = (block[..., None] == session.stop_arr).any(-1) & in_gen
+        done = done | (mx.min(mx.where(is_stop, pos, bl), axis=-1) < first_mask)
+    elif not s.early_stop:
+        done = ~masked.any(-1)
+    return [(tok[i], conf[i], write[i], block[i], done[i]) for i in range(len(reqs))]
 
 
 @dataclass
@@ -128,28 +174,27 @@ class Member:
     def _denoise(self, b: int, start: int, block, in_gen, need: int):
         """LLaDA2.0: up to ``steps`` steps, each revealing >= its quota."""
         s = self.session
-        mask_id = s.s.mask_token_id
-        pos = mx.arange(s.bl)
         for step in range(s.steps):
             if s.cancel is not None and s.cancel():
                 return block, step, True
-            active = (block == mask_id) & in_gen
-            tok, conf = yield from self._step(b, step, start, block)
-            write = reveal(active, conf, s.s.step_threshold(step, s.steps), s.quota[step])
-            block = mx.where(write, tok.astype(block.dtype), block)
+            logits = yield self._window(start, block)
+            if s.s.on_step is not None:
+                s.s.on_step(b, step, logits)
+            u = s.uniforms(s.bl) if s.needs_uniforms else None
+            threshold = s.s.step_threshold(step, s.steps)
+            tok, conf, write, block, done = yield Reveal(self.kind(), logits, u, block, in_gen, threshold,
+                                                         s.quota[step], need)
             s._trace(b, step, start, write, tok, block, conf)
-            # Final once no mask is left before the output budget or before a stop token.
-            masked = (block == mask_id) & in_gen
-            first_mask = mx.min(mx.where(masked, pos, s.bl))
-            done = first_mask >= need
-            if s.s.early_stop and s.stop_arr is not None:
-                is_stop = (block[:, None] == s.stop_arr[None]).any(-1) & in_gen
-                done = done | (mx.min(mx.where(is_stop, pos, s.bl)) < first_mask)
-            elif not s.s.early_stop:
-                done = ~masked.any()
             if (yield Sync(done)):
                 return block, step + 1, False
         return block, s.steps, False
+
+    def kind(self) -> tuple:
+        """What a Reveal shares with the blocks it is merged with: the block
+        length and every setting its graph is built from."""
+        s = self.session
+        return (s.bl, s.s.mask_token_id, s.s.temperature, s.s.top_k, s.s.top_p, s.s.reference_sampling,
+                s.needs_uniforms, s.logit_bias is not None, s.s.early_stop, tuple(sorted(s.stops)))
 
     def _edit(self, b: int, start: int, block, gen_from: int):
         """LLaDA2.1 draft-and-edit (§6.3): mask-to-token reveals as in 2.0 (quota
@@ -218,6 +263,8 @@ def run_alone(member: Member, remaining: int) -> Block:
             logits = s.model(request.ids[None], s.cache, request.mask, last=s.bl)
             member.forwarded()
             member.resume(logits[0])
+        elif isinstance(request, Reveal):
+            member.resume(reveal_rows(s, [request])[0])
         else:
             member.resume(request.value.tolist())
     return member.finished
@@ -235,17 +282,27 @@ class Batch:
         return Member(session)
 
     def step(self, members: list[Member]) -> None:
-        """One forward of every busy member (and the host reads around it)."""
-        self._sync(members)
+        """One forward of every busy member (and the work and host reads around it)."""
+        self._settle(members)
         waiting = [m for m in members if isinstance(m.request, Forward)]
         for m, logits in zip(waiting, self._forward(waiting)):
             m.forwarded()
             m.resume(logits)
-        self._sync(members)
+        self._settle(members)
 
-    def _sync(self, members: list[Member]) -> None:
-        """Answer every pending Sync with one evaluation, until none is left."""
+    def _settle(self, members: list[Member]) -> None:
+        """Answer every pending Reveal (one graph per kind) and Sync (one
+        evaluation for all), until none is left."""
         while True:
+            reveals: dict[tuple, list[Member]] = {}
+            for m in members:
+                if isinstance(m.request, Reveal):
+                    reveals.setdefault(m.request.kind, []).append(m)
+            for group in reveals.values():
+                for m, out in zip(group, reveal_rows(group[0].session, [m.request for m in group])):
+                    m.resume(out)
+            if reveals:
+                continue
             syncs = [m for m in members if isinstance(m.request, Sync)]
             if not syncs:
                 return

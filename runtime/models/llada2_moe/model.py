@@ -153,11 +153,29 @@ class Attention(nn.Module):
         q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
         if isinstance(cache, list):
-            parts = zip(*(mx.split(t, len(cache)) for t in (q, k, v)), mask, cache)
-            o = mx.concatenate([self._attend(qb, kb, vb, m, c) for qb, kb, vb, m, c in parts])
+            o = self._attend_each(q, k, v, mask, cache)
         else:
             o = self._attend(q, k, v, mask, cache)
         return _linear(self.dense, o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _attend_each(self, q, k, v, masks: list, caches: list[CommittedKVCache]):
+        """A batch's attention, each sequence against its own cache. Sequences
+        whose caches hold as many positions have the same block-causal mask (the
+        batch's windows and blocks are as long) and attend in one batched call,
+        which computes per sequence what it computes alone."""
+        groups: dict[int, list[int]] = {}
+        for b, c in enumerate(caches):
+            groups.setdefault(c.offset, []).append(b)
+        out, order = [], []
+        for idx in groups.values():
+            kv = [caches[b].update_and_fetch(k[b : b + 1], v[b : b + 1]) for b in idx]
+            keys, values = (mx.concatenate(t) if len(idx) > 1 else t[0] for t in zip(*kv))
+            qs = q if len(groups) == 1 else q[mx.array(idx)]
+            out.append(mx.fast.scaled_dot_product_attention(qs, keys, values, scale=self.scale, mask=masks[idx[0]]))
+            order.extend(idx)
+        if len(groups) == 1:
+            return out[0]
+        return mx.concatenate(out)[mx.array([order.index(b) for b in range(len(caches))])]
 
     def _attend(self, q, k, v, mask, cache: Optional[CommittedKVCache]):
         if cache is not None:

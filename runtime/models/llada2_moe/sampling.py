@@ -47,8 +47,9 @@ def filter_logits(logits, top_k=None, top_p=None):
 
 
 def sample(logits, s, uniforms: Optional[np.ndarray]):
-    """(tokens, confidence of each chosen token) for [n, V] float32 logits; ``s``
-    carries temperature, top_k, top_p and reference_sampling (the Settings)."""
+    """(tokens, confidence of each chosen token) for [..., n, V] float32 logits
+    (uniforms [..., n]); ``s`` carries temperature, top_k, top_p and
+    reference_sampling (the Settings). Every row is computed on its own."""
     if s.temperature == 0 and not s.reference_sampling:
         tok = mx.argmax(logits, axis=-1)
         conf = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
@@ -57,21 +58,23 @@ def sample(logits, s, uniforms: Optional[np.ndarray]):
         logits = logits / s.temperature
     probs = mx.softmax(filter_logits(logits, s.top_k, s.top_p), axis=-1)
     cdf = mx.cumsum(probs, axis=-1)
-    target = mx.array(uniforms)[:, None] * cdf[:, -1:]
+    target = mx.array(uniforms)[..., None] * cdf[..., -1:]
     tok = mx.minimum((cdf <= target).sum(axis=-1), probs.shape[-1] - 1)
-    return tok, mx.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
+    return tok, mx.take_along_axis(probs, tok[..., None], axis=-1)[..., 0]
 
 
-def reveal(active, conf, threshold: float, quota: int):
+def reveal(active, conf, threshold, quota):
     """Every active position above the threshold if there are at least
-    ``quota`` of them, else the ``quota`` most confident active positions."""
+    ``quota`` of them, else the ``quota`` most confident active positions.
+    ``active``/``conf`` [..., n]; ``threshold``/``quota`` scalars or [..., 1]
+    (one per block of a batch)."""
     conf = mx.where(active, conf, -mx.inf)
     high = conf > threshold
     # Rank = positions ahead in (confidence desc, position asc): exact ties go
     # to the lowest position, as in the reference.
     n = conf.shape[-1]
-    ahead = (conf[None, :] > conf[:, None]) | (
-        (conf[None, :] == conf[:, None]) & (mx.arange(n)[None, :] < mx.arange(n)[:, None])
+    ahead = (conf[..., None, :] > conf[..., :, None]) | (
+        (conf[..., None, :] == conf[..., :, None]) & (mx.arange(n)[None, :] < mx.arange(n)[:, None])
     )
     top = (ahead.sum(-1) < quota) & active
-    return mx.where(high.sum() >= quota, high, top)
+    return mx.where(high.sum(-1, keepdims=True) >= quota, high, top)
