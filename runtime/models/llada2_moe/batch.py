@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...generate import Block
+from ..cpu_streams import split_rows
 from .model import block_causal_mask
 from .sampling import reveal, sample
 from .structured import denoise_structured
@@ -67,10 +68,17 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
     same values in any batch; ``session`` is any member's (all share the kind)."""
     s, bl = session.s, session.bl
     logits = mx.stack([r.logits for r in reqs])
-    if session.logit_bias is not None:
-        logits = logits + session.logit_bias
-    u = np.stack([r.uniforms for r in reqs]) if session.needs_uniforms else None
-    tok, conf = sample(logits, s, u)
+    rows = [logits.reshape(-1, logits.shape[-1])]
+    if session.needs_uniforms:
+        rows.append(mx.array(np.concatenate([r.uniforms for r in reqs])))
+
+    def score(logits, u=None):
+        if session.logit_bias is not None:
+            logits = logits + session.logit_bias
+        return sample(logits, s, u)
+
+    # Over the vocabulary: rows split over the CPU streams (MLX's exp runs on one thread).
+    tok, conf = (a.reshape(len(reqs), bl) for a in split_rows(score, *rows))
     block, in_gen = mx.stack([r.block for r in reqs]), mx.stack([r.in_gen for r in reqs])
     active = (block == s.mask_token_id) & in_gen
     threshold = mx.array([[r.threshold] for r in reqs], dtype=mx.float32)

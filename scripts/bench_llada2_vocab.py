@@ -1,0 +1,62 @@
+"""Benchmark LLaDA-2's per-step work over the vocabulary (not a test): the
+sampler (greedy: argmax and the chosen token's probability, one softmax
+denominator per position; with a temperature: softmax, running sum and an
+inverse-CDF draw) over a block's [positions, vocab] float32 logits, on one CPU
+stream against its rows split over the CPU streams (as ``batch.reveal_rows``
+runs it), side by side with interleaved repeats; checks the two bit for bit.
+
+    .venv/bin/python -m scripts.bench_llada2_vocab              # LLaDA2.0-mini: a 32-position block, vocab 157184
+    .venv/bin/python -m scripts.bench_llada2_vocab --positions 128 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+
+from dlm.runtime import blas  # noqa: F401  (the optimized BLAS ahead of MLX)
+
+import mlx.core as mx  # noqa: E402  (isort: skip)
+import numpy as np  # noqa: E402
+
+from dlm.runtime.models.cpu_streams import cpu_streams, split_rows  # noqa: E402
+from dlm.runtime.models.llada2_moe.sampling import sample  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--positions", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=157184)
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args()
+    logits = mx.random.normal((a.positions, a.vocab), key=mx.random.key(0)) * 3
+    bias = mx.where(mx.arange(a.vocab) == a.vocab - 1, -mx.inf, 0.0)  # the mask token, never sampled
+    u = mx.random.uniform(shape=(a.positions,), key=mx.random.key(1))
+    mx.eval(logits, bias, u)
+    out = {"streams": len(cpu_streams()), "positions": a.positions, "vocab": a.vocab}
+    for temperature in (0.0, 0.8):
+        s = SimpleNamespace(temperature=temperature, reference_sampling=False, top_k=None, top_p=None)
+        draws = [u] if temperature else []
+
+        def score(x, *uu, s=s):
+            return sample(x + bias, s, uu[0] if uu else None)
+
+        ways = {"one stream": lambda: score(logits, *draws), "split": lambda: split_rows(score, logits, *draws)}
+        same = all(np.array_equal(np.array(p), np.array(q)) for p, q in zip(*(w() for w in ways.values())))
+        times = {name: [] for name in ways}
+        for _ in range(a.repeats + 1):
+            for name, way in ways.items():
+                start = time.perf_counter()
+                mx.eval(way())
+                times[name].append((time.perf_counter() - start) * 1e3)
+        row = {name: round(statistics.median(t[1:]), 1) for name, t in times.items()}
+        out[f"temperature {temperature}"] = {**row, "ratio": round(row["one stream"] / row["split"], 2),
+                                              "bitwise same": same}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
