@@ -1,4 +1,5 @@
-"""The CPU expert kernels: grouped (one dense matmul per expert) equals gather_mm."""
+"""The CPU expert kernels: grouped (one dense matmul per expert) and dense (every
+token through all the experts at once) equal gather_mm."""
 
 from __future__ import annotations
 
@@ -74,6 +75,37 @@ def test_llada2_switch_glu_grouped_equal_gather(monkeypatch, small_experts_group
     got, want = _both(monkeypatch, lambda: glu(x, idx))
     assert got.shape == (40, 2, 32)
     assert np.abs(got - want).max() < 1e-5 and np.abs(want).max() > 1e-3
+
+
+def test_dense_policy(monkeypatch):
+    small = switch.SwitchLinear(256, 64, 32)  # 524288 elements: the LLaDA-2 small geometry
+    on_cpu = mx.default_device() == mx.cpu
+    assert switch.dense(32, small) == on_cpu and not switch.dense(31, small)
+    assert not switch.dense(10_000, switch.SwitchLinear(2048, 512, 8))  # 8M: big experts gather or group
+    monkeypatch.setenv("DLM_CPU_EXPERTS", "gather")
+    assert not switch.dense(10_000, small)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the dense kernel is the CPU backend's")
+def test_llada2_moe_dense_equals_gather(monkeypatch):
+    """The routed experts' weighted sum through all the experts at once equals the
+    gather_mm sum, for two sequences of 40 positions (each multiplied on its own)."""
+    from dlm.runtime.models.llada2_moe.config import ModelArgs
+    from dlm.runtime.models.llada2_moe.model import SparseMoe
+    from tests.builders import llada2_hub_config
+
+    args = ModelArgs.from_config(llada2_hub_config())
+    moe = SparseMoe(args)
+    _random(moe)
+    moe.gate.expert_bias = mx.zeros_like(moe.gate.expert_bias)
+    x = mx.array(np.random.default_rng(5).standard_normal((2, 40, args.hidden_size)).astype(np.float32))
+    sw = moe.switch_mlp
+    assert switch.dense(40, sw.gate_proj, sw.up_proj, sw.down_proj)
+    got, want = _both(monkeypatch, lambda: moe(x))
+    assert got.shape == (2, 40, args.hidden_size)
+    assert np.abs(got - want).max() < 1e-5 and np.abs(want).max() > 1e-3
+    alone = np.array(moe(x[1:]))  # a sequence alone: the very numbers it gets in the batch
+    assert np.array_equal(alone[0], got[1])
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")

@@ -126,6 +126,25 @@ def grouped(rows: int, num_experts: int, *layers) -> bool:
     return cpu_float_experts(*layers) and rows >= GROUPED_MIN_ROWS_PER_EXPERT * num_experts
 
 
+# Below this many weight elements in one projection's whole expert tensor (E x out x in), and
+# from DENSE_MIN_ROWS token positions per sequence, the CPU multiplies every token by all the
+# experts in one product and keeps the chosen ones (``dense``): gather_mm's one small product per
+# token copy costs more there (LLaDA-2 small geometry, 32 experts of 256x64, 32 tokens: 5.7 ms
+# gather, 3.7 ms dense; 8 tokens: 1.5 vs 2.0 ms; tiny: 1.3 vs 1.0 ms at 32 tokens).
+DENSE_MAX_WEIGHT = 1 << 20
+DENSE_MIN_ROWS = 32
+
+
+def dense(rows: int, *layers) -> bool:
+    """Whether ``rows`` token positions of one sequence take the dense path: small
+    float experts on the CPU backend (DLM_CPU_EXPERTS=gather: never)."""
+    if os.environ.get("DLM_CPU_EXPERTS", "").strip().lower() == "gather":
+        return False
+    return (mx.default_device() == mx.cpu and rows >= DENSE_MIN_ROWS
+            and all(isinstance(layer, SwitchLinear) for layer in layers)
+            and max(layer["weight"].size for layer in layers) <= DENSE_MAX_WEIGHT)
+
+
 def by_expert(x: mx.array, idx: mx.array, num_experts: int, expert_fn, spread: bool = False) -> mx.array:
     """Route each token copy to its expert: ``x`` [N, in], ``idx`` [N, K] ->
     [N, K, out], with ``expert_fn(e, rows)`` applied to all rows routed to

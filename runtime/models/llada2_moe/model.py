@@ -14,7 +14,7 @@ import mlx.nn as nn
 from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, linear, matmul, per_sequence
 from ..quantized import per_call
-from ..switch import SwitchLinear, by_expert, grouped
+from ..switch import SwitchLinear, by_expert, dense, grouped
 from ..taps import layer_input
 from .config import ModelArgs
 from .weights import sanitize
@@ -39,6 +39,27 @@ class SwitchGLU(nn.Module):
 
     def _expert(self, e: int, rows):
         return self.down_proj.dense(e, nn.silu(self.gate_proj.dense(e, rows)) * self.up_proj.dense(e, rows))
+
+    def weighted(self, x, indices, weights):
+        """The routed experts' weighted sum, ``x`` [S, n, H] (S sequences of n
+        positions), indices/weights [S*n, k] -> float32 [S, n, H], through all
+        the experts at once (small experts on the CPU: switch.dense): each
+        token times every expert's gate and up weights, the chosen ones kept,
+        and their activations, scaled by the routing weights, through one down
+        product. Every product runs per sequence (rows.matmul)."""
+        S, n, H = x.shape
+        E, inter, _ = self.gate_proj["weight"].shape
+        T, k = indices.shape
+
+        def all_experts(layer):
+            y = matmul(x, layer["weight"].reshape(E * inter, H).T).reshape(T, E, inter)
+            return mx.take_along_axis(y, indices[..., None], axis=1)
+
+        h = nn.silu(all_experts(self.gate_proj)) * all_experts(self.up_proj)  # [T, k, inter]
+        h = (h.astype(mx.float32) * weights[..., None]).astype(x.dtype)
+        spread = mx.put_along_axis(mx.zeros((T, E, inter), dtype=h.dtype), indices[..., None], h, axis=1)
+        down = self.down_proj["weight"].transpose(0, 2, 1).reshape(E * inter, H)
+        return matmul(spread.reshape(S, n, E * inter), down).astype(mx.float32)
 
     def __call__(self, x, indices, sequences: int = 1):
         """x [T, H], indices [T, k] -> [T, k, H]. ``sequences``: ``x`` holds that
@@ -240,8 +261,12 @@ class SparseMoe(nn.Module):
         shape = x.shape
         t = x.reshape(-1, shape[-1])
         idx, w = self.gate(t, shape[0])
-        y = self.switch_mlp(t, idx, shape[0]).astype(mx.float32)  # [T, k, H]
-        y = (y * w[..., None]).sum(1).astype(x.dtype).reshape(shape)
+        sw = self.switch_mlp
+        if dense(t.shape[0] // shape[0], sw.gate_proj, sw.up_proj, sw.down_proj):
+            y = sw.weighted(t.reshape(shape[0], -1, shape[-1]), idx, w)
+        else:
+            y = (sw(t, idx, shape[0]).astype(mx.float32) * w[..., None]).sum(1)  # [T, k, H] summed
+        y = y.astype(x.dtype).reshape(shape)
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
         return y
