@@ -49,7 +49,7 @@ class SwitchGLU(nn.Module):
         product. Every product runs per sequence (rows.matmul)."""
         S, n, H = x.shape
         E, inter, _ = self.gate_proj["weight"].shape
-        T, k = indices.shape
+        T = indices.shape[0]
 
         def all_experts(layer):
             y = matmul(x, layer["weight"].reshape(E * inter, H).T).reshape(T, E, inter)
