@@ -92,6 +92,25 @@ def test_every_step_logits_equal_solo_bitwise(loaded, group_sizes):
     assert max(group_sizes) == 3
 
 
+def test_numpy_vocabulary_rows_equal_solo(loaded, group_sizes, monkeypatch):
+    """The CPU backend's numpy path for the softcap and the scores (cpu_vocab.py,
+    taken at the released geometry) forced at every size: batched requests still
+    get their solo commit streams, and every step's logits to the last bit."""
+    from dlm.runtime.models import cpu_vocab
+
+    calls = []
+    real = cpu_vocab.score_rows
+    monkeypatch.setattr(cpu_vocab, "score_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setenv("DLM_CPU_VOCAB", "numpy")
+    prompts = PROMPTS + [LONG[:11], SHORT[:6]]
+    options = OPTIONS + [{**OPTIONS[0], "seed": s} for s in (7, 8)]  # three of one kind: merged step builds
+    want = solo(loaded, prompts, options)
+    got = [summary(r) for r in api.generate_batch(loaded, prompts, options)]
+    assert got == want and max(group_sizes) >= 3
+    assert any(len(shape) == 3 and shape[0] == 3 for shape in calls)  # merged canvases went through numpy
+    assert_step_logits_equal_solo(loaded, PROMPTS[:3], OPTIONS[:3])
+
+
 def assert_step_logits_equal_solo(loaded, prompts, options):
     def recorder(out):
         return lambda step, logits, argmax: out.append(np.array(logits))

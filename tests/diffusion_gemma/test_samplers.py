@@ -161,6 +161,23 @@ def test_self_conditioning_gets_temperature_scaled_logits():
     assert len(dec.calls) == 4
 
 
+@pytest.mark.parametrize("stop_at", [2, 4])
+def test_without_speculation_a_stopped_canvas_builds_no_further_step(stop_at):
+    """speculate=False (a step whose build computes: Model.speculates) reads the stop
+    flag before building: one decoder call fewer when a canvas stops early, and the
+    same tokens, steps and random draws as the speculative loop."""
+    cfg = DenoiseConfig(steps=6, t_min=None, t_max=None, stability_threshold=stop_at - 1,
+                        confidence_threshold=0.005)
+    runs = {}
+    for speculate in (True, False):
+        dec, draws = FakeDecoder(lambda i, c: peaked([1, 2, 3], 40.0)), RandomDraws(V, 7)
+        res = denoise_canvas(dec, draws, 3, cfg, speculate=speculate)
+        runs[speculate] = (res.steps, res.stopped_early, res.tokens.tolist(), len(dec.calls), np.array(draws.state()).tolist())
+    assert runs[True][:3] == runs[False][:3] == (stop_at, True, [[1, 2, 3]])
+    assert runs[True][3] == stop_at + 1 and runs[False][3] == stop_at
+    assert runs[True][4] == runs[False][4]  # the speculative step's draws were rewound
+
+
 def test_stop_rule_stable_and_confident():
     cfg = DenoiseConfig(steps=10, t_min=None, t_max=None, stability_threshold=1, confidence_threshold=0.005)
     res = denoise_canvas(FakeDecoder(lambda i, c: peaked([1, 2, 3], 40.0)), DebugDraws(V), 3, cfg)

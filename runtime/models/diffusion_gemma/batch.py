@@ -140,9 +140,6 @@ class Batch:
 
     def __init__(self, loaded):
         self.model = loaded.model
-        # Grouped CPU experts read their counts on the host inside the forward, so
-        # a speculative build would compute; then the stop flags are read first.
-        self.speculate = not any(layer.experts.eager for layer in self.model.layers)
 
     def member(self, session) -> Member:
         return Member(session)
@@ -154,7 +151,10 @@ class Batch:
             m.account()
         running = [m for m in busy if m.busy and m.step is not None]
         going = [m for m in busy if m.busy]
-        if self.speculate:
+        # A step that reads on the host while it is built (Model.speculates) is
+        # built after the stop flags, so a stopped canvas costs no forward.
+        speculate = self.model.speculates(sum(m.length for m in going))
+        if speculate:
             self._build(going)
         stops = [m for m in running if m.stop_flag is not None]
         stopped = []
@@ -163,7 +163,7 @@ class Batch:
             stopped = [m for m, flag in zip(stops, flags) if flag]
             for m in stopped:
                 m.stopped()
-        if stopped or not self.speculate:
+        if stopped or not speculate:
             going = [m for m in going if m.busy]
             self._build(going)
         if going:  # one evaluation for the whole batch, run while the next step is built

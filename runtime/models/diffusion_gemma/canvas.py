@@ -246,6 +246,7 @@ def denoise_canvas(
     cancel: Optional[Callable[[], bool]] = None,
     on_step: Optional[StepHook] = None,
     on_summary: Optional[Callable[[int, dict], None]] = None,
+    speculate: bool = True,
 ) -> CanvasResult:
     """Run the denoising loop for one canvas of ``length`` positions.
 
@@ -257,6 +258,8 @@ def denoise_canvas(
     Pipelined: step t runs (async_eval) while the host builds step t+1's graph;
     step t+1 is evaluated only once step t's stop flag (the one host sync) says
     to go on, so an early stop wastes no compute and no random draws.
+    ``speculate=False`` (a step whose build reads on the host and so computes:
+    Model.speculates) reads the stop flag first and then builds.
     """
     shape = (batch, length)
     if cancel is not None and cancel():
@@ -280,10 +283,12 @@ def denoise_canvas(
             break
         if cancel is not None and cancel():
             return CanvasResult(step.argmax, steps, False, cancelled=True)
+        if not speculate and step.stop is not None and step.stop.item():
+            return CanvasResult(step.argmax, steps, True)
         mark = draws.state()
         following = _build_step(decode, draws, config, step.canvas, step.sc_probs, step.revealed,
                                 history, cur_step - 1, summarise)
-        if step.stop is not None and step.stop.item():  # the one host sync of a step
+        if speculate and step.stop is not None and step.stop.item():  # the one host sync of a step
             draws.restore(mark)  # the step that did not run drew nothing
             return CanvasResult(step.argmax, steps, True)
         mx.async_eval(*following.outputs(last=cur_step - 1 == 1))

@@ -260,6 +260,7 @@ class CanvasSession:
         result = denoise_canvas(
             lambda c, sc: model.decode(c, cache, sc_probs=sc), self.draws, length, self.denoise,
             cancel=self.cancel, on_step=self._step_hook(self.canvas_index - 1), on_summary=tracer,
+            speculate=model.speculates(length),
         )
         if tracer is not None:
             tracer.finish(result)

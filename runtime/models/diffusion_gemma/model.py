@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import cpu_vocab
 from ..cpu_streams import split_positions, splits
 from ..quantized import embedding_matmul, per_call, wants
 from ..rows import as_linear, matmul
@@ -136,6 +137,8 @@ def softcap(logits: mx.array, cap: float) -> mx.array:
     """float32 ``tanh(logits / cap) * cap``: a tanh per vocabulary entry, its rows
     split over the CPU streams (MLX's CPU tanh: 10-18 ns an entry on one thread,
     0.7-1.2 s per step at the released geometry; about half that on two)."""
+    if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector tanh (cpu_vocab.py)
+        return cpu_vocab.softcap(logits, cap)
     c = mx.array(cap, dtype=mx.float32)
     return split_positions(lambda rows: _softcap_rows(rows, c), logits, piece_bytes=PIECE_BYTES)
 
@@ -242,6 +245,16 @@ class Model(nn.Module):
         ids = ids if isinstance(ids, mx.array) else mx.array(ids)
         ids = ids.astype(mx.int32) if ids.dtype != mx.int32 else ids
         return ids[None] if ids.ndim == 1 else ids
+
+    def speculates(self, positions: int) -> bool:
+        """Whether a step over ``positions`` canvas positions (all of a batch's)
+        builds as a lazy graph, so the loop may build the next step while this
+        one runs: not when CPU experts read their routing on the host, nor when
+        the softcap and scores go through numpy (cpu_vocab.py). Otherwise
+        building the next step would compute it, wasted if the canvas stops."""
+        if any(layer.experts.eager for layer in self.layers):
+            return False
+        return not cpu_vocab.takes(positions * self.args.vocab_size)
 
     @property
     def has_vision(self) -> bool:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .. import cpu_vocab
 from ..cpu_streams import split_rows
 
 _F32_MIN = float(np.finfo(np.float32).min)
@@ -80,8 +81,11 @@ def score(logits: mx.array, t) -> Scores:
     """The step's scores of float32 ``logits`` [..., V] at temperature ``t`` (lazy)."""
     t = t if isinstance(t, mx.array) else mx.array(t, dtype=mx.float32)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    argmax, entropy, probs, total = split_rows(lambda rows: _score_rows(rows, t), logits.reshape(-1, vocab),
-                                               piece_bytes=PIECE_BYTES)
+    if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
+        argmax, entropy, probs, total = cpu_vocab.score_rows(logits, t.item())
+    else:
+        argmax, entropy, probs, total = split_rows(lambda rows: _score_rows(rows, t), logits.reshape(-1, vocab),
+                                                   piece_bytes=PIECE_BYTES)
     return Scores(logits, t, argmax.reshape(lead), entropy.reshape(lead), probs.reshape(*lead, vocab),
                   total.reshape(*lead, 1))
 

@@ -1,0 +1,129 @@
+"""Full-vocabulary row math on MLX's CPU backend, through numpy's vector loops.
+
+MLX's CPU backend computes ``exp`` and ``tanh`` one entry at a time (on Linux
+x86 its ``simd::exp<float, 1>``, a scalar polynomial calling libm's ``fmaf``:
+14-31 ns an entry on one thread here), while numpy's AVX2/AVX-512 loops take
+1-2 ns. At the released DiffusionGemma geometry a denoising step runs two such
+passes over [256, 262144] entries, the softcap and the scores (scores.py):
+~2.4 s of an 8.5 s float32 step (README, "Where dlm's float32 step goes").
+
+So on the CPU backend, for arrays of at least ``MIN_ENTRIES`` entries, these
+functions evaluate their input, run numpy over row pieces on a thread pool (one
+thread per core; numpy releases the GIL inside its loops) and hand back MLX
+arrays. ``python -m scripts.bench_vocab`` measures both paths side by side.
+
+Exactness: every row is computed on its own (elementwise loops, and reductions
+and argmax along each row), so a row gets the same bits in any batch and any
+piece split (tests/test_cpu_vocab.py); against MLX's path the values differ in
+the last bits of ``exp``/``tanh``, as either differs from torch's; the argmax
+is the same up to ties. Off on Metal/CUDA, below ``MIN_ENTRIES`` (a small step
+stays one lazy MLX graph, built while the previous one runs) and with
+``DLM_CPU_VOCAB=mlx``; ``DLM_CPU_VOCAB=numpy`` takes it at every size (tests).
+A step that takes it reads its logits on the host, so the generation loops
+build the next step only after the stop flag says to go on (``speculates``).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+# Entries from which numpy pays for the host sync and the copies back: at 16
+# positions of a 262144 vocabulary (or 256 of 16384) a pass is ~60 ms in MLX.
+MIN_ENTRIES = 1 << 22
+PIECE_BYTES = 32 << 20  # rows per task: its temporaries stay this small
+_F32_MIN = np.float32(np.finfo(np.float32).min)
+_pool: Optional[ThreadPoolExecutor] = None
+
+
+def _mode() -> str:
+    return os.environ.get("DLM_CPU_VOCAB", "").strip().lower()
+
+
+def takes(entries: int) -> bool:
+    """Whether an array of ``entries`` goes through numpy: the CPU backend, at size."""
+    mode = _mode()
+    if mode == "mlx" or mx.default_device() != mx.cpu:
+        return False
+    return mode == "numpy" or entries >= MIN_ENTRIES
+
+
+def wanted(x: mx.array) -> bool:
+    """Whether ``x``'s rows go through numpy (``takes`` its size)."""
+    return takes(x.size)
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        want = os.environ.get("DLM_CPU_STREAMS", "").strip()
+        n = int(want) if want.isdigit() and int(want) > 0 else (os.cpu_count() or 1)
+        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dlm-vocab")
+    return _pool
+
+
+def _host(x: mx.array) -> np.ndarray:
+    """``x`` as float32 rows [N, V] in host memory (evaluated; no copy when it is contiguous)."""
+    x = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+    mx.eval(x)
+    return np.ascontiguousarray(np.asarray(x))
+
+
+def _over_rows(task: Callable[[slice], None], rows: int, vocab: int) -> None:
+    """``task(rows slice)`` over pieces of at most PIECE_BYTES, on the thread pool."""
+    step = max(1, PIECE_BYTES // (4 * max(vocab, 1)))
+    pieces = [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
+    if len(pieces) == 1:
+        task(pieces[0])
+        return
+    for f in [_threads().submit(task, p) for p in pieces]:
+        f.result()
+
+
+def softcap(x: mx.array, cap: float) -> mx.array:
+    """float32 ``tanh(x / cap) * cap`` (the model's softcap)."""
+    a = _host(x)
+    out = np.empty_like(a)
+    c = np.float32(cap)
+
+    def task(r: slice) -> None:
+        o = out[r]
+        np.divide(a[r], c, out=o)
+        np.tanh(o, out=o)
+        np.multiply(o, c, out=o)
+
+    _over_rows(task, *a.shape)
+    return mx.array(out).reshape(x.shape)
+
+
+def score_rows(logits: mx.array, t: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """scores.py's pass over float32 ``logits`` [N, V] at temperature ``t``:
+    (argmax [N] int32, entropy [N], softmax [N, V], Σ exp [N, 1]), with the same
+    formulas (z = proc - max, clamped at float32's lowest so -inf weighs 0)."""
+    a = _host(logits)
+    rows, vocab = a.shape
+    probs = np.empty_like(a)
+    argmax = np.empty(rows, dtype=np.int32)
+    entropy = np.empty(rows, dtype=np.float32)
+    total = np.empty(rows, dtype=np.float32)
+    temp = np.float32(t)
+
+    def task(r: slice) -> None:
+        z = np.divide(a[r], temp)
+        top = z.argmax(axis=-1)
+        argmax[r] = top
+        z -= z[np.arange(len(top)), top][:, None]
+        np.maximum(z, _F32_MIN, out=z)
+        e = np.exp(z, out=probs[r])
+        s = e.sum(axis=-1)
+        np.multiply(e, z, out=z)
+        entropy[r] = np.log(s) - z.sum(axis=-1) / s
+        total[r] = s
+        e /= s[:, None]
+
+    _over_rows(task, rows, vocab)
+    return mx.array(argmax), mx.array(entropy), mx.array(probs), mx.array(total)[:, None]
