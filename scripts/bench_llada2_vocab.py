@@ -3,7 +3,9 @@ sampler (greedy: argmax and the chosen token's probability, one softmax
 denominator per position; with a temperature: softmax, running sum and an
 inverse-CDF draw) over a block's [positions, vocab] float32 logits, on one CPU
 stream against its rows split over the CPU streams (as ``batch.reveal_rows``
-runs it), side by side with interleaved repeats; checks the two bit for bit.
+ran it; checks the two bit for bit) and through numpy's vector loops
+(cpu_vocab.py, the CPU backend's path at scale; the same tokens), side by side
+with interleaved repeats.
 
     .venv/bin/python -m scripts.bench_llada2_vocab              # LLaDA2.0-mini: a 32-position block, vocab 157184
     .venv/bin/python -m scripts.bench_llada2_vocab --positions 128 --repeats 5
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from types import SimpleNamespace
@@ -44,8 +47,20 @@ def main() -> None:
         def score(x, *uu, s=s):
             return sample(x + bias, s, uu[0] if uu else None)
 
-        ways = {"one stream": lambda: score(logits, *draws), "split": lambda: split_rows(score, logits, *draws)}
-        same = all(np.array_equal(np.array(p), np.array(q)) for p, q in zip(*(w() for w in ways.values())))
+        def on_numpy(*args):
+            os.environ["DLM_CPU_VOCAB"] = "numpy"
+            try:
+                return score(*args)
+            finally:
+                os.environ["DLM_CPU_VOCAB"] = "mlx"
+
+        os.environ["DLM_CPU_VOCAB"] = "mlx"  # the first two on MLX's ops, the third through cpu_vocab.py
+        ways = {"one stream": lambda: score(logits, *draws), "split": lambda: split_rows(score, logits, *draws),
+                "numpy": lambda: on_numpy(logits, *draws)}
+        outs = [w() for w in ways.values()]
+        same = all(np.array_equal(np.array(p), np.array(q)) for p, q in zip(outs[0], outs[1]))
+        numpy_tokens = np.array_equal(np.array(outs[0][0]), np.array(outs[2][0]))
+        numpy_conf = float(mx.abs(outs[0][1] - outs[2][1]).max())
         times = {name: [] for name in ways}
         for _ in range(a.repeats + 1):
             for name, way in ways.items():
@@ -54,7 +69,10 @@ def main() -> None:
                 times[name].append((time.perf_counter() - start) * 1e3)
         row = {name: round(statistics.median(t[1:]), 1) for name, t in times.items()}
         out[f"temperature {temperature}"] = {**row, "ratio": round(row["one stream"] / row["split"], 2),
-                                              "bitwise same": same}
+                                              "bitwise same": same,
+                                              "split / numpy": round(row["split"] / row["numpy"], 2),
+                                              "numpy: same tokens": numpy_tokens,
+                                              "numpy: max |confidence diff|": numpy_conf}
     print(json.dumps(out, indent=1))
 
 

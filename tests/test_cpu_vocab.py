@@ -75,3 +75,26 @@ def test_the_policy(monkeypatch):
     assert not cpu_vocab.wanted(large)
     monkeypatch.setenv("DLM_CPU_VOCAB", "numpy")
     assert cpu_vocab.wanted(small)
+
+
+def test_llada2_sampler_matches_float64(monkeypatch):
+    """LLaDA-2's sampler: greedy (argmax, its probability) and inverse-CDF draws at
+    a temperature against float64 math; the masked last token is never drawn."""
+    x = np.random.default_rng(5).normal(size=(6, 777)).astype(np.float32) * 3
+    x[:, -1] = -np.inf
+    x[2, 5] = 30.0
+    tok, conf = (np.array(a) for a in cpu_vocab.sample_rows(mx.array(x), 0.0))
+    p = _float64(x, 1.0)[2]
+    assert tok.dtype == np.uint32 and tok.tolist() == x.argmax(-1).tolist()
+    assert np.abs(conf - p.max(-1)).max() < 1e-6
+    u = np.linspace(0.03, 0.97, 6).astype(np.float32)
+    for t in (0.7, 1.0):
+        tok, conf = (np.array(a) for a in cpu_vocab.sample_rows(mx.array(x), t, u))
+        p = _float64(x, t)[2]
+        want = [int(np.searchsorted(np.cumsum(row), ui, side="right")) for row, ui in zip(p, u)]
+        assert tok.dtype == np.int32 and tok.tolist() == want and (tok < 776).all()
+        assert np.abs(conf - p[np.arange(6), tok]).max() < 1e-6
+    first = cpu_vocab.sample_rows(mx.array(x), 0.7, u)
+    monkeypatch.setattr(cpu_vocab, "PIECE_BYTES", 4 * x.shape[1])  # one row per task: the same bits
+    again = cpu_vocab.sample_rows(mx.array(x), 0.7, u)
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(again, first))

@@ -5,7 +5,8 @@ x86 its ``simd::exp<float, 1>``, a scalar polynomial calling libm's ``fmaf``:
 14-31 ns an entry on one thread here), while numpy's AVX2/AVX-512 loops take
 1-2 ns. At the released DiffusionGemma geometry a denoising step runs two such
 passes over [256, 262144] entries, the softcap and the scores (scores.py):
-~2.4 s of an 8.5 s float32 step (README, "Where dlm's float32 step goes").
+~2.4 s of an 8.5 s float32 step (README, "Where dlm's float32 step goes");
+LLaDA-2's sampler makes one over each block's [32, 157184] logits.
 
 So on the CPU backend, for arrays of at least ``MIN_ENTRIES`` entries, these
 functions evaluate their input, run numpy over row pieces on a thread pool (one
@@ -37,7 +38,7 @@ import numpy as np
 MIN_ENTRIES = 1 << 22
 PIECE_BYTES = 32 << 20  # rows per task: its temporaries stay this small
 _F32_MIN = np.float32(np.finfo(np.float32).min)
-_pool: Optional[ThreadPoolExecutor] = None
+_pool: Optional[tuple[ThreadPoolExecutor, int]] = None
 
 
 def _mode() -> str:
@@ -57,12 +58,13 @@ def wanted(x: mx.array) -> bool:
     return takes(x.size)
 
 
-def _threads() -> ThreadPoolExecutor:
+def _threads() -> tuple[ThreadPoolExecutor, int]:
+    """The thread pool (one thread per core, or ``DLM_CPU_STREAMS``) and its size."""
     global _pool
     if _pool is None:
         want = os.environ.get("DLM_CPU_STREAMS", "").strip()
         n = int(want) if want.isdigit() and int(want) > 0 else (os.cpu_count() or 1)
-        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dlm-vocab")
+        _pool = (ThreadPoolExecutor(max_workers=n, thread_name_prefix="dlm-vocab"), n)
     return _pool
 
 
@@ -74,13 +76,15 @@ def _host(x: mx.array) -> np.ndarray:
 
 
 def _over_rows(task: Callable[[slice], None], rows: int, vocab: int) -> None:
-    """``task(rows slice)`` over pieces of at most PIECE_BYTES, on the thread pool."""
-    step = max(1, PIECE_BYTES // (4 * max(vocab, 1)))
+    """``task(rows slice)`` over pieces of at most PIECE_BYTES (and at least one
+    per thread), on the thread pool."""
+    pool, threads = _threads()
+    step = max(1, min(PIECE_BYTES // (4 * max(vocab, 1)), -(-rows // threads)))
     pieces = [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
     if len(pieces) == 1:
         task(pieces[0])
         return
-    for f in [_threads().submit(task, p) for p in pieces]:
+    for f in [pool.submit(task, p) for p in pieces]:
         f.result()
 
 
@@ -127,3 +131,36 @@ def score_rows(logits: mx.array, t: float) -> tuple[mx.array, mx.array, mx.array
 
     _over_rows(task, rows, vocab)
     return mx.array(argmax), mx.array(entropy), mx.array(probs), mx.array(total)[:, None]
+
+
+def sample_rows(logits: mx.array, temperature: float, uniforms=None) -> tuple[mx.array, mx.array]:
+    """LLaDA-2's sampler (llada2_moe/sampling.py ``sample``, without top-k/top-p)
+    over float32 ``logits`` [N, V]: with ``uniforms`` None the argmax and its
+    probability (uint32, float32); else softmax(logits / temperature) (as is for
+    a temperature of 0 or 1), the first index whose running sum passes u · Σ, and
+    its probability (int32, float32)."""
+    a = _host(logits)
+    rows, vocab = a.shape
+    u = None if uniforms is None else np.asarray(uniforms, dtype=np.float32).reshape(rows)
+    tok = np.empty(rows, dtype=np.uint32 if u is None else np.int32)
+    conf = np.empty(rows, dtype=np.float32)
+    temp = np.float32(temperature)
+
+    def task(r: slice) -> None:
+        z = np.divide(a[r], temp) if u is not None and temperature > 0 and temperature != 1 else a[r].copy()
+        top = z.max(axis=-1)
+        z -= top[:, None]
+        e = np.exp(z, out=z)
+        s = e.sum(axis=-1)
+        if u is None:  # greedy: p(argmax) = exp(max - logsumexp) = 1 / Σ exp(x - max)
+            tok[r] = a[r].argmax(axis=-1)
+            conf[r] = np.float32(1) / s
+            return
+        e /= s[:, None]
+        cdf = np.cumsum(e, axis=-1)
+        for i, row in enumerate(range(r.start, r.stop)):  # cdf is non-decreasing: count(cdf <= target)
+            k = min(int(np.searchsorted(cdf[i], u[row] * cdf[i, -1], side="right")), vocab - 1)
+            tok[row], conf[row] = k, e[i, k]
+
+    _over_rows(task, rows, vocab)
+    return mx.array(tok), mx.array(conf)

@@ -145,6 +145,26 @@ def test_one_kind_steps_merge_and_equal_solo(loaded, group_sizes, reveal_sizes):
     assert max(group_sizes) == 5
 
 
+def test_numpy_vocabulary_rows_equal_solo(loaded, group_sizes, reveal_sizes, monkeypatch):
+    """The CPU backend's numpy sampler (cpu_vocab.py, taken at the released
+    geometry) forced at every size: merged blocks of one kind and mixed settings
+    (top-k/top-p stay in MLX) still get their solo runs."""
+    from dlm.runtime.models import cpu_vocab
+
+    rows = []
+    real = cpu_vocab.sample_rows
+    monkeypatch.setattr(cpu_vocab, "sample_rows", lambda x, *a: rows.append(x.shape) or real(x, *a))
+    monkeypatch.setenv("DLM_CPU_VOCAB", "numpy")
+    prompts = [ids(9 + 5 * i, i) for i in range(4)]
+    options = [{"max_tokens": 30 - 3 * i, "seed": i, "temp": 0.9, "threshold": 0.9 - 0.1 * i, "block_length": 8}
+               for i in range(4)]
+    for p, o in ((prompts, options), (PROMPTS, OPTIONS)):
+        want = solo(loaded, p, o)
+        assert [summary(r) for r in api.generate_batch(loaded, p, o)] == want
+    assert max(reveal_sizes) == 4 and any(shape[0] == 4 for shape in rows)  # four blocks' rows at once
+    assert max(group_sizes) >= 3
+
+
 def polls_then_cancel(n):
     calls = {"n": 0}
 

@@ -33,7 +33,7 @@ import numpy as np
 from ...generate import Block
 from ..cpu_streams import split_rows
 from .model import block_causal_mask
-from .sampling import reveal, sample
+from .sampling import on_host, reveal, sample
 from .structured import denoise_structured
 from .trace import BlockTracer
 
@@ -77,8 +77,10 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
             logits = logits + session.logit_bias
         return sample(logits, s, u)
 
-    # Over the vocabulary: rows split over the CPU streams (MLX's exp runs on one thread).
-    tok, conf = (a.reshape(len(reqs), bl) for a in split_rows(score, *rows))
+    # Over the vocabulary: numpy's threads at scale (cpu_vocab.py), else rows split
+    # over the CPU streams (MLX's exp runs on one thread).
+    scored = score(*rows) if on_host(rows[0].size, s) else split_rows(score, *rows)
+    tok, conf = (a.reshape(len(reqs), bl) for a in scored)
     block, in_gen = mx.stack([r.block for r in reqs]), mx.stack([r.in_gen for r in reqs])
     active = (block == s.mask_token_id) & in_gen
     threshold = mx.array([[r.threshold] for r in reqs], dtype=mx.float32)

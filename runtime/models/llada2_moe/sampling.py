@@ -9,6 +9,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from .. import cpu_vocab
+
 
 def transfer_quota(block_length: int, steps: int) -> list[int]:
     """What each step must reveal at least: bl // steps, remainder to the first steps."""
@@ -46,11 +48,22 @@ def filter_logits(logits, top_k=None, top_p=None):
     return logits
 
 
+def on_host(entries: int, s) -> bool:
+    """Whether ``sample`` over ``entries`` logits runs through numpy (cpu_vocab.py:
+    the CPU backend at scale; top-k/top-p filtering stays in MLX)."""
+    return cpu_vocab.takes(entries) and not s.top_k and (s.top_p is None or s.top_p >= 1)
+
+
 def sample(logits, s, uniforms: Optional[np.ndarray]):
     """(tokens, confidence of each chosen token) for [..., n, V] float32 logits
     (uniforms [..., n]); ``s`` carries temperature, top_k, top_p and
     reference_sampling (the Settings). Every row is computed on its own."""
-    if s.temperature == 0 and not s.reference_sampling:
+    greedy = s.temperature == 0 and not s.reference_sampling
+    if on_host(logits.size, s):
+        lead = logits.shape[:-1]  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
+        tok, conf = cpu_vocab.sample_rows(logits, s.temperature, None if greedy else uniforms)
+        return tok.reshape(lead), conf.reshape(lead)
+    if greedy:
         tok = mx.argmax(logits, axis=-1)
         conf = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
         return tok, conf
