@@ -78,7 +78,8 @@ def _score_rows(logits: mx.array, t: mx.array):
 
 
 def score(logits: mx.array, t) -> Scores:
-    """The step's scores of float32 ``logits`` [..., V] at temperature ``t`` (lazy)."""
+    """The step's scores of float32 ``logits`` [..., V] at temperature ``t`` (lazy;
+    evaluated through numpy at scale on the CPU backend, cpu_vocab.py)."""
     t = t if isinstance(t, mx.array) else mx.array(t, dtype=mx.float32)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)

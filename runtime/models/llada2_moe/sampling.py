@@ -1,4 +1,5 @@
-"""LLaDA-2 per-step rules (MLX, no host syncs): the per-step reveal quota,
+"""LLaDA-2 per-step rules (MLX, no host syncs; at scale on the CPU backend the
+sampler reads its logits into numpy, cpu_vocab.py): the per-step reveal quota,
 the shared uniform stream, top-k/top-p filtering, sampling and the reveal rule."""
 
 from __future__ import annotations
