@@ -36,10 +36,15 @@ def cpu_streams() -> list:
         return []
     streams = getattr(_local, "streams", None)
     if streams is None:
-        want = os.environ.get("DLM_CPU_STREAMS", "").strip()
-        n = int(want) if want.isdigit() and int(want) > 0 else (os.cpu_count() or 1)
+        n = cores()
         streams = _local.streams = [mx.new_stream(mx.cpu) for _ in range(n if n > 1 else 0)]
     return streams
+
+
+def cores() -> int:
+    """The CPU work's parallelism: one per core, or ``DLM_CPU_STREAMS``."""
+    want = os.environ.get("DLM_CPU_STREAMS", "").strip()
+    return int(want) if want.isdigit() and int(want) > 0 else (os.cpu_count() or 1)
 
 
 def parallel() -> bool:

@@ -33,6 +33,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from .cpu_streams import cores
+
 # Entries from which numpy pays for the host sync and the copies back: at 16
 # positions of a 262144 vocabulary (or 256 of 16384) a pass is ~60 ms in MLX.
 MIN_ENTRIES = 1 << 22
@@ -62,8 +64,7 @@ def _threads() -> tuple[ThreadPoolExecutor, int]:
     """The thread pool (one thread per core, or ``DLM_CPU_STREAMS``) and its size."""
     global _pool
     if _pool is None:
-        want = os.environ.get("DLM_CPU_STREAMS", "").strip()
-        n = int(want) if want.isdigit() and int(want) > 0 else (os.cpu_count() or 1)
+        n = cores()
         _pool = (ThreadPoolExecutor(max_workers=n, thread_name_prefix="dlm-vocab"), n)
     return _pool
 
@@ -148,12 +149,12 @@ def sample_rows(logits: mx.array, temperature: float, uniforms=None) -> tuple[mx
 
     def task(r: slice) -> None:
         z = np.divide(a[r], temp) if u is not None and temperature > 0 and temperature != 1 else a[r].copy()
-        top = z.max(axis=-1)
-        z -= top[:, None]
+        best = z.argmax(axis=-1)
+        z -= z[np.arange(len(best)), best][:, None]
         e = np.exp(z, out=z)
         s = e.sum(axis=-1)
         if u is None:  # greedy: p(argmax) = exp(max - logsumexp) = 1 / Σ exp(x - max)
-            tok[r] = a[r].argmax(axis=-1)
+            tok[r] = best
             conf[r] = np.float32(1) / s
             return
         e /= s[:, None]

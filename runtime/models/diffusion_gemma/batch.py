@@ -140,6 +140,7 @@ class Batch:
 
     def __init__(self, loaded):
         self.model = loaded.model
+        self.eager = self.model.eager_experts()  # read once: every step asks (Model.speculates)
 
     def member(self, session) -> Member:
         return Member(session)
@@ -153,7 +154,7 @@ class Batch:
         going = [m for m in busy if m.busy]
         # A step that reads on the host while it is built (Model.speculates) is
         # built after the stop flags, so a stopped canvas costs no forward.
-        speculate = self.model.speculates(sum(m.length for m in going))
+        speculate = self.model.speculates(sum(m.length for m in going), self.eager)
         if speculate:
             self._build(going)
         stops = [m for m in running if m.stop_flag is not None]

@@ -246,13 +246,18 @@ class Model(nn.Module):
         ids = ids.astype(mx.int32) if ids.dtype != mx.int32 else ids
         return ids[None] if ids.ndim == 1 else ids
 
-    def speculates(self, positions: int) -> bool:
+    def eager_experts(self) -> bool:
+        """CPU experts that run outside the graph (some read their routing on the host)."""
+        return any(layer.experts.eager for layer in self.layers)
+
+    def speculates(self, positions: int, eager: Optional[bool] = None) -> bool:
         """Whether a step over ``positions`` canvas positions (all of a batch's)
         builds as a lazy graph, so the loop may build the next step while this
         one runs: not when CPU experts read their routing on the host, nor when
         the softcap and scores go through numpy (cpu_vocab.py). Otherwise
-        building the next step would compute it, wasted if the canvas stops."""
-        if any(layer.experts.eager for layer in self.layers):
+        building the next step would compute it, wasted if the canvas stops.
+        ``eager``: ``eager_experts()`` when the caller keeps it (a batch's steps)."""
+        if self.eager_experts() if eager is None else eager:
             return False
         return not cpu_vocab.takes(positions * self.args.vocab_size)
 
