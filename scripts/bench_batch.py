@@ -14,6 +14,7 @@ per request stops falling, a bigger batch only makes every request slower.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
@@ -32,17 +33,51 @@ def requests(loaded, n: int, max_tokens: int):
     return prompts, [{**base, "max_tokens": max_tokens, "seed": i} for i in range(n)]
 
 
-def step_ms(loaded, size: int, steps: int = 30) -> float:
-    batcher = Batcher(loaded, max_batch=size)
-    prompts, options = requests(loaded, size, loaded.args.max_position_embeddings - 64)
-    for p, o in zip(prompts, options):
-        batcher.add(p, o)
-    for _ in range(10):
-        batcher.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        batcher.step()
-    return (time.perf_counter() - t) / steps * 1e3
+class Steady:
+    """``size`` busy requests in one Batcher, timed a window of steps at a time.
+
+    A request that ends (a stop token: the random tiny models emit them) leaves
+    the batch, and a step of fewer requests, or of none, is not the cost of
+    ``size``: before each window the batch is topped up with fresh requests (new
+    seeds) and stepped twice, so they are mid-canvas/block, and a window in which
+    any request ended does not count."""
+
+    def __init__(self, loaded, size: int):
+        self.size, self.batcher = size, Batcher(loaded, max_batch=size)
+        self.prompts, self.options = requests(loaded, size, loaded.args.max_position_embeddings - 64)
+        self.seeds = itertools.count(size)
+        self.times: list[float] = []
+
+    def window(self, steps: int = 10) -> None:
+        b = self.batcher
+        while len(b.active) + len(b.waiting) < self.size:
+            i = len(b.active) + len(b.waiting)
+            b.add(self.prompts[i], {**self.options[i], "seed": next(self.seeds)})
+        for _ in range(2):
+            b.step()
+        if len(b.active) < self.size:
+            return
+        t = time.perf_counter()
+        for _ in range(steps):
+            b.step()
+        if len(b.active) == self.size:
+            self.times.append((time.perf_counter() - t) / steps * 1e3)
+
+
+def step_ms(loaded, sizes: list[int], windows: int = 5) -> dict[int, float]:
+    """The median ms of one step at each batch size, windows interleaved across
+    the sizes (a shared machine drifts)."""
+    runs = [Steady(loaded, size) for size in sizes]
+    for _ in range(20 * windows):
+        short = [r for r in runs if len(r.times) < windows]
+        if not short:
+            break
+        for r in short:
+            r.window()
+    for r in runs:
+        if len(r.times) < windows:
+            raise RuntimeError(f"{r.size} requests kept ending within a window: no steady batch to time")
+    return {r.size: statistics.median(r.times) for r in runs}
 
 
 def main() -> None:
@@ -53,17 +88,18 @@ def main() -> None:
     p.add_argument("--sizes", default="1,2,4,8,16")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--windows", type=int, default=5, help="timed windows of 10 steps per batch size")
+    p.add_argument("--steps-only", action="store_true", help="the step costs only, no generate runs")
     args = p.parse_args()
     if not args.model and not args.tiny:
         p.error("give --model DIR or --tiny")
     model = Path(args.model) if args.model else tiny_model(Path(tempfile.mkdtemp()), args.family)
     loaded = api.load(model)
     out = {"model": str(model), "step_ms": {}, "generate": []}
-    for size in [int(s) for s in args.sizes.split(",")]:
-        ms = statistics.median(step_ms(loaded, size) for _ in range(3))
+    for size, ms in step_ms(loaded, [int(s) for s in args.sizes.split(",")], args.windows).items():
         out["step_ms"][size] = {"step": round(ms, 2), "per_request": round(ms / size, 2)}
         print(json.dumps({"batch": size, **out["step_ms"][size]}), flush=True)
-    for size in [int(s) for s in args.sizes.split(",") if int(s) <= 8]:
+    for size in [] if args.steps_only else [int(s) for s in args.sizes.split(",") if int(s) <= 8]:
         prompts, options = requests(loaded, size, args.max_tokens)
         api.generate_batch(loaded, prompts, options)  # warm-up
         serial, batched = [], []

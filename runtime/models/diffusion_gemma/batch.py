@@ -16,8 +16,10 @@ slice of the logits, so it draws and commits what it would alone.
 (the batch-vs-solo identity tests, tests/diffusion_gemma/test_batch.py, hold
 the two together): account for the step that ran, stop or go on, build the
 next step, evaluate. Steps are pipelined as alone: the batch's next step is
-built while the current one runs, and rebuilt without the canvases that turn
-out to have stopped (they drew nothing: their draws are rewound, as alone).
+built while the current one runs (Metal/CUDA; on the CPU backend
+``mx.async_eval`` returns only near the end of the step: canvas.py's
+denoise_canvas), and rebuilt without the canvases that turn out to have
+stopped (they drew nothing: their draws are rewound, as alone).
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class Batch:
         if stopped or not speculate:
             going = [m for m in going if m.busy]
             self._build(going)
-        if going:  # one evaluation for the whole batch, run while the next step is built
+        if going:  # one evaluation for the whole batch (Metal/CUDA: run while the next step is built)
             mx.async_eval([out for m in going for out in m.launch()])
 
     def _build(self, members: list[Member]) -> None:

@@ -257,9 +257,13 @@ def denoise_canvas(
 
     Pipelined: step t runs (async_eval) while the host builds step t+1's graph;
     step t+1 is evaluated only once step t's stop flag (the one host sync) says
-    to go on, so an early stop wastes no compute and no random draws.
-    ``speculate=False`` (a step whose build reads on the host and so computes:
-    Model.speculates) reads the stop flag first and then builds.
+    to go on, so an early stop wastes no compute and no random draws. (The
+    overlap is for Metal/CUDA, whose tasks are command buffers of many ops. On
+    MLX's CPU backend async_eval returns only when all but the last ~10 ops of
+    the step have run, scripts/probe_async_eval.py, so there the build follows
+    the evaluation; kept, as it costs only a discarded build when a canvas stops
+    early.) ``speculate=False`` (a step whose build reads on the host and so
+    computes: Model.speculates) reads the stop flag first and then builds.
     """
     shape = (batch, length)
     if cancel is not None and cancel():
