@@ -46,13 +46,15 @@ class Steady:
         self.size, self.batcher = size, Batcher(loaded, max_batch=size)
         self.prompts, self.options = requests(loaded, size, loaded.args.max_position_embeddings - 64)
         self.seeds = itertools.count(size)
+        self.slots: list = [None] * size  # the entry holding each prompt (the mix of lengths stays)
         self.times: list[float] = []
 
     def window(self, steps: int = 10) -> None:
         b = self.batcher
-        while len(b.active) + len(b.waiting) < self.size:
-            i = len(b.active) + len(b.waiting)
-            b.add(self.prompts[i], {**self.options[i], "seed": next(self.seeds)})
+        live = {id(e) for e in b.active} | {id(e) for e in b.waiting}
+        for i, entry in enumerate(self.slots):
+            if entry is None or id(entry) not in live:
+                self.slots[i] = b.add(self.prompts[i], {**self.options[i], "seed": next(self.seeds)})
         for _ in range(2):
             b.step()
         if len(b.active) < self.size:
