@@ -26,10 +26,10 @@ from dlm.runtime.batch import Batcher
 from scripts.bench_serve import tiny_model
 
 
-def requests(loaded, n: int, max_tokens: int):
+def requests(loaded, n: int, max_tokens: int, block_length: int = 8):
     llada = loaded.family.name == "llada2_moe"
     prompts = [list(range(3, 14 + i)) for i in range(n)]
-    base = {"block_length": 8, "temp": 0.8} if llada else {"max_denoising_steps": 8}
+    base = {"block_length": block_length, "temp": 0.8} if llada else {"max_denoising_steps": 8}
     return prompts, [{**base, "max_tokens": max_tokens, "seed": i} for i in range(n)]
 
 
@@ -42,9 +42,10 @@ class Steady:
     seeds) and stepped twice, so they are mid-canvas/block, and a window in which
     any request ended does not count."""
 
-    def __init__(self, loaded, size: int):
+    def __init__(self, loaded, size: int, block_length: int = 8):
         self.size, self.batcher = size, Batcher(loaded, max_batch=size)
-        self.prompts, self.options = requests(loaded, size, loaded.args.max_position_embeddings - 64)
+        self.prompts, self.options = requests(loaded, size, min(loaded.args.max_position_embeddings - 64, 4096),
+                                              block_length)
         self.seeds = itertools.count(size)
         self.slots: list = [None] * size  # the entry holding each prompt (the mix of lengths stays)
         self.times: list[float] = []
@@ -66,16 +67,16 @@ class Steady:
             self.times.append((time.perf_counter() - t) / steps * 1e3)
 
 
-def step_ms(loaded, sizes: list[int], windows: int = 5) -> dict[int, float]:
-    """The median ms of one step at each batch size, windows interleaved across
-    the sizes (a shared machine drifts)."""
-    runs = [Steady(loaded, size) for size in sizes]
+def step_ms(loaded, sizes: list[int], windows: int = 5, steps: int = 10, block_length: int = 8) -> dict[int, float]:
+    """The median ms of one step at each batch size, windows of ``steps`` steps
+    interleaved across the sizes (a shared machine drifts)."""
+    runs = [Steady(loaded, size, block_length) for size in sizes]
     for _ in range(20 * windows):
         short = [r for r in runs if len(r.times) < windows]
         if not short:
             break
         for r in short:
-            r.window()
+            r.window(steps)
     for r in runs:
         if len(r.times) < windows:
             raise RuntimeError(f"{r.size} requests kept ending within a window: no steady batch to time")
@@ -90,7 +91,9 @@ def main() -> None:
     p.add_argument("--sizes", default="1,2,4,8,16")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--windows", type=int, default=5, help="timed windows of 10 steps per batch size")
+    p.add_argument("--windows", type=int, default=5, help="timed windows per batch size")
+    p.add_argument("--window-steps", type=int, default=10, help="steps of a timed window")
+    p.add_argument("--block-length", type=int, default=8, help="LLaDA-2's block length")
     p.add_argument("--steps-only", action="store_true", help="the step costs only, no generate runs")
     args = p.parse_args()
     if not args.model and not args.tiny:
@@ -98,11 +101,12 @@ def main() -> None:
     model = Path(args.model) if args.model else tiny_model(Path(tempfile.mkdtemp()), args.family)
     loaded = api.load(model)
     out = {"model": str(model), "step_ms": {}, "generate": []}
-    for size, ms in step_ms(loaded, [int(s) for s in args.sizes.split(",")], args.windows).items():
+    for size, ms in step_ms(loaded, [int(s) for s in args.sizes.split(",")], args.windows, args.window_steps,
+                             args.block_length).items():
         out["step_ms"][size] = {"step": round(ms, 2), "per_request": round(ms / size, 2)}
         print(json.dumps({"batch": size, **out["step_ms"][size]}), flush=True)
     for size in [] if args.steps_only else [int(s) for s in args.sizes.split(",") if int(s) <= 8]:
-        prompts, options = requests(loaded, size, args.max_tokens)
+        prompts, options = requests(loaded, size, args.max_tokens, args.block_length)
         api.generate_batch(loaded, prompts, options)  # warm-up
         serial, batched = [], []
         for _ in range(args.rounds):

@@ -124,3 +124,38 @@ def test_decoder_pass_grouped_equal_gather(monkeypatch, tiny_dg_mlx_dir, small_e
     got, want = _both(monkeypatch, logits)
     assert np.abs(got - want).max() < 1e-4
     assert switch.cpu_float_experts(switch.SwitchLinear(8, 8, 4))  # the default run was grouped
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["one-stream", "spread"])
+def test_by_expert_runs_each_sequence_as_alone_and_each_expert_once(spread):
+    """A batch of sequences through ``by_expert``: every sequence gets the bits it
+    gets alone (its own sort, its own GEMM per expert), the result is the float64
+    math, and each expert's weight is taken once for the whole batch (one
+    ``expert_fn`` call holding every sequence's rows), experts in ascending order,
+    including experts only some sequences route to."""
+    rng = np.random.default_rng(3)
+    E, K, n, H, O, S = 6, 2, 10, 16, 12, 3
+    w = mx.array(rng.standard_normal((E, O, H)).astype(np.float32))
+    x = mx.array(rng.standard_normal((S * n, H)).astype(np.float32))
+    idx = np.argsort(-rng.standard_normal((S * n, E)), axis=1)[:, :K].astype(np.int32)
+    idx[n:2 * n] = np.where(idx[n:2 * n] == 5, 0, idx[n:2 * n])  # sequence 1 never routes to expert 5
+    idx[2 * n:, 0] = 4  # sequence 2 crowds expert 4
+    idx = np.where((idx == 3) & (np.arange(S * n)[:, None] < n), 1, idx)  # sequence 0 skips expert 3
+    idx = mx.array(idx)
+    calls = []
+
+    def expert_fn(e, blocks):
+        calls.append((e, [b.shape[0] for b in blocks]))
+        return [switch.project(b, w[e]) for b in blocks]
+
+    got = switch.by_expert(x, idx, E, expert_fn, spread, sequences=S)
+    assert [e for e, _ in calls] == sorted({int(e) for e in np.array(idx).ravel()})
+    assert sum(sum(sizes) for _, sizes in calls) == S * n * K
+    per_sequence = [np.bincount(np.array(idx)[s * n:(s + 1) * n].ravel(), minlength=E) for s in range(S)]
+    assert per_sequence[1][5] == 0 and per_sequence[0][3] == 0 and per_sequence[2][4] >= n
+    assert all(sizes == [int(c[e]) for c in per_sequence if c[e]] for e, sizes in calls)
+    want = np.einsum("nh,nkoh->nko", np.array(x).astype(np.float64), np.array(w).astype(np.float64)[np.array(idx)])
+    assert np.abs(np.array(got) - want).max() < 1e-4
+    for s in range(S):
+        alone = switch.by_expert(x[s * n:(s + 1) * n], idx[s * n:(s + 1) * n], E, expert_fn, spread)
+        assert mx.array_equal(alone, got[s * n:(s + 1) * n])

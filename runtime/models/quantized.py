@@ -133,8 +133,3 @@ def embedding_matmul(module, p: mx.array) -> mx.array:
     for part in parts[1:]:
         total = total + part
     return total
-
-
-def expert_matmul(module, expert: int, x: mx.array) -> mx.array:
-    """``x`` [rows, in] through one expert of a quantized switch layer, dequantized per call."""
-    return (x.astype(mx.float32) @ dequantized(module, expert=expert).T).astype(x.dtype)

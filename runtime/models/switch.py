@@ -5,7 +5,8 @@
 backend's ``gather_mm`` is float32-only, so the loader keeps half-precision
 expert weights in float32 there (``cpu_float32_experts``) and the layer rounds
 its output back to the activation dtype. Quantized experts dequantized per call
-(quantized.py) run grouped like float ones, one expert dequantized at a time.
+(quantized.py) run grouped like float ones, one expert dequantized at a time,
+once a step for all the sequences of a batch (``by_expert``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ import numpy as np
 
 from ...quantize.modes import mode_defaults
 from .cpu_streams import cpu_streams, parallel, split_rows
-from .quantized import expert_matmul, per_call
+from . import quantized
+from .quantized import per_call
+from .rows import per_sequence
+
+
+def project(x: mx.array, w: mx.array) -> mx.array:
+    """``x`` [rows, in] @ ``w.T`` for one expert's weight ``w`` [out, in]: computed
+    in the weight's dtype, returned in ``x``'s."""
+    xd = x.astype(w.dtype) if x.dtype != w.dtype else x
+    return (xd @ w.T).astype(x.dtype)
 
 
 class SwitchLinear(nn.Module):
@@ -35,11 +45,13 @@ class SwitchLinear(nn.Module):
         y = mx.gather_mm(xd, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         return y.astype(x.dtype)
 
+    def expert_weight(self, expert: int) -> mx.array:
+        """One expert's weight [out, in], as its grouped products read it."""
+        return self["weight"][expert]
+
     def dense(self, expert: int, x: mx.array) -> mx.array:
         """``x`` [rows, in] through one expert's weight (one dense matmul)."""
-        w = self["weight"][expert]
-        xd = x.astype(w.dtype) if x.dtype != w.dtype else x
-        return (xd @ w.T).astype(x.dtype)
+        return project(x, self.expert_weight(expert))
 
     def to_quantized(self, group_size: int = None, bits: int = None, mode: str = "affine", **_):
         return QuantizedSwitchLinear.from_float(self, group_size, bits, mode)
@@ -56,9 +68,13 @@ class QuantizedSwitchLinear(nn.Module):
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self.freeze()
 
+    def expert_weight(self, expert: int) -> mx.array:
+        """One expert's weight [out, in] dequantized to float32 (for this call)."""
+        return quantized.dequantized(self, expert=expert)
+
     def dense(self, expert: int, x: mx.array) -> mx.array:
         """``x`` [rows, in] through one expert, its weight dequantized for this call."""
-        return expert_matmul(self, expert, x)
+        return project(x, self.expert_weight(expert))
 
     @classmethod
     def from_float(cls, layer: SwitchLinear, group_size, bits, mode):
@@ -145,26 +161,43 @@ def dense(rows: int, *layers) -> bool:
             and max(layer["weight"].size for layer in layers) <= DENSE_MAX_WEIGHT)
 
 
-def by_expert(x: mx.array, idx: mx.array, num_experts: int, expert_fn, spread: bool = False) -> mx.array:
+def by_expert(x: mx.array, idx: mx.array, num_experts: int, expert_fn, spread: bool = False,
+              sequences: int = 1) -> mx.array:
     """Route each token copy to its expert: ``x`` [N, in], ``idx`` [N, K] ->
-    [N, K, out], with ``expert_fn(e, rows)`` applied to all rows routed to
-    expert ``e`` at once. Reads the per-expert counts on the host (one sync
-    per call), so it runs outside mx.compile. ``spread``: experts take turns on
-    the CPU streams (per-call dequantization is single-threaded)."""
+    [N, K, out]. ``expert_fn(e, blocks)`` multiplies each block of rows routed
+    to expert ``e`` and returns their outputs, reading (or dequantizing) the
+    expert's weight once for all of them.
+
+    ``sequences``: ``x`` holds that many equal-length sequences' rows, in order
+    (batched generation). Each sequence is sorted by expert as it is alone and
+    gets its own block, so its own GEMM per expert (the call it makes alone:
+    rows.py), but the experts go one after the other across the sequences: an
+    expert's weight is read from memory, or dequantized, once a step rather than
+    once a sequence (at the released DiffusionGemma geometry a layer's experts
+    are 3 GB of float32, one expert 24 MB: it stays in the cache for the
+    batch). Reads the per-expert counts on the host (one sync per call), so it
+    runs outside mx.compile. ``spread``: experts take turns on the CPU streams
+    (per-call dequantization is single-threaded)."""
     streams = cpu_streams() if spread else []
     N, K = idx.shape
-    flat = idx.reshape(-1)
-    order = mx.argsort(flat)
-    counts = np.bincount(np.array(flat), minlength=num_experts)
-    rows = x[order // K]
-    outs, start = [], 0
-    for i, expert in enumerate(np.flatnonzero(counts)):
-        c = int(counts[expert])
+    n = per_sequence(N, sequences)
+    ids = idx.reshape(sequences, n * K)
+    counts = [np.bincount(row, minlength=num_experts) for row in np.array(ids)]
+    starts = [np.cumsum(c) - c for c in counts]
+    orders = [mx.argsort(ids[s]) for s in range(sequences)]
+    rows = [x[s * n:(s + 1) * n][orders[s] // K] for s in range(sequences)]
+    where = [np.empty(n * K, dtype=np.int32) for _ in range(sequences)]  # each sorted copy's row of y
+    outs, done = [], 0
+    for i, expert in enumerate(np.flatnonzero(np.sum(counts, axis=0))):
+        takers = [(s, int(starts[s][expert]), int(counts[s][expert])) for s in range(sequences) if counts[s][expert]]
         with mx.stream(streams[i % len(streams)]) if streams else nullcontext():
-            outs.append(expert_fn(int(expert), rows[start : start + c]))
-        start += c
+            outs.extend(expert_fn(int(expert), [rows[s][a:a + c] for s, a, c in takers]))
+        for s, a, c in takers:
+            where[s][a:a + c] = np.arange(done, done + c)
+            done += c
     y = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
-    return y[mx.argsort(order)].reshape(N, K, -1)
+    back = [mx.array(where[s])[mx.argsort(orders[s])] for s in range(sequences)]
+    return y[mx.concatenate(back) if sequences > 1 else back[0]].reshape(N, K, -1)
 
 
 def cpu_float32_experts(model) -> None:

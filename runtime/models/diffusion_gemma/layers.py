@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import ConfigError
 from ..rows import linear, per_sequence
 from ..quantized import per_call
-from ..switch import SwitchLinear, by_expert, cpu_eager_experts, grouped
+from ..switch import SwitchLinear, by_expert, cpu_eager_experts, grouped, project
 from .config import SLIDING, ModelArgs
 
 
@@ -278,9 +278,13 @@ class Experts(nn.Module):
         quantized ones too (their kernel split over the CPU streams)."""
         return cpu_eager_experts(self.gate_up_proj, self.down_proj)
 
-    def _expert(self, e: int, rows: mx.array) -> mx.array:
-        h = self.gate_up_proj.dense(e, rows)
-        return self.down_proj.dense(e, geglu(h[:, : self.inter], h[:, self.inter :]))
+    def _expert(self, e: int, blocks: list[mx.array]) -> list[mx.array]:
+        gate_up, down = self.gate_up_proj.expert_weight(e), self.down_proj.expert_weight(e)
+        outs = []
+        for rows in blocks:
+            h = project(rows, gate_up)
+            outs.append(project(geglu(h[:, : self.inter], h[:, self.inter :]), down))
+        return outs
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array, sequences: int = 1) -> mx.array:
         """``sequences``: ``x`` holds that many equal-length sequences' rows, in
@@ -291,11 +295,7 @@ class Experts(nn.Module):
         E = self.gate_up_proj["weight"].shape[0]
         each = per_sequence(N, sequences) * K  # token copies of one sequence
         if grouped(each, E, self.gate_up_proj, self.down_proj):
-            n = N // sequences
-            spread = per_call(self.gate_up_proj)
-            parts = [by_expert(x[i * n:(i + 1) * n], idx[i * n:(i + 1) * n], E, self._expert, spread)
-                     for i in range(sequences)]
-            y = mx.concatenate(parts) if sequences > 1 else parts[0]
+            y = by_expert(x, idx, E, self._expert, per_call(self.gate_up_proj), sequences)
         elif each >= 64:
             # Sort token copies by expert so gather_mm reads each expert once.
             flat = idx.flatten()

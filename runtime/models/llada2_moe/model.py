@@ -14,7 +14,7 @@ import mlx.nn as nn
 from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, linear, matmul, per_sequence
 from ..quantized import per_call
-from ..switch import SwitchLinear, by_expert, dense, grouped
+from ..switch import SwitchLinear, by_expert, dense, grouped, project
 from ..taps import layer_input
 from .config import ModelArgs
 from .weights import sanitize
@@ -37,8 +37,9 @@ class SwitchGLU(nn.Module):
         self.up_proj = SwitchLinear(hidden, inter, num_experts)
         self.down_proj = SwitchLinear(inter, hidden, num_experts)
 
-    def _expert(self, e: int, rows):
-        return self.down_proj.dense(e, nn.silu(self.gate_proj.dense(e, rows)) * self.up_proj.dense(e, rows))
+    def _expert(self, e: int, blocks: list[mx.array]) -> list[mx.array]:
+        gate, up, down = (p.expert_weight(e) for p in (self.gate_proj, self.up_proj, self.down_proj))
+        return [project(nn.silu(project(rows, gate)) * project(rows, up), down) for rows in blocks]
 
     def weighted(self, x, indices, weights):
         """The routed experts' weighted sum, ``x`` [S, n, H] (S sequences of n
@@ -70,10 +71,7 @@ class SwitchGLU(nn.Module):
         E = self.gate_proj["weight"].shape[0]
         n = per_sequence(T, sequences)
         if grouped(n * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one matmul per expert
-            spread = per_call(self.gate_proj)
-            parts = [by_expert(x[i * n:(i + 1) * n], indices[i * n:(i + 1) * n], E, self._expert, spread)
-                     for i in range(sequences)]
-            return mx.concatenate(parts) if sequences > 1 else parts[0]
+            return by_expert(x, indices, E, self._expert, per_call(self.gate_proj), sequences)
         if n * k >= 64:
             # Sort (token, slot) pairs by expert so each expert's rows are contiguous.
             flat = indices.reshape(-1)

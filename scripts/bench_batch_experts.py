@@ -1,0 +1,95 @@
+"""The routed experts of a batch at the released DiffusionGemma geometry on the
+MLX CPU backend (not a test): B canvases through one ``Experts`` call (the batch
+path: ``switch.by_expert`` takes the experts one after the other across the
+canvases, so an expert's weight is read, or dequantized, once for all of them)
+against the same B canvases one call each (what a batch of B cost before: each
+canvas read every expert's weight again). The two give the same bits, checked.
+
+One decoder layer's experts: 128 experts top-8, hidden 2816 -> 704, 256 token
+positions a canvas, random weights and routing; float32 (the layer's experts
+are 3 GB, 24 MB an expert) and 4-bit dequantized per call (how the released
+model runs on the CPU when its float32 weights do not fit). Interleaved
+repeats, medians [min-max]:
+
+    .venv/bin/python -m scripts.bench_batch_experts [--batch 4] [--repeats 3] [--dtypes f32 q4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from scripts.bench_experts import RELEASED, random_params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", nargs="+", default=["f32", "q4"], choices=["f32", "q4"])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from dlm.runtime import blas  # first: loads the optimized BLAS ahead of MLX
+
+    import mlx.core as mx
+    import numpy as np
+
+    from dlm.runtime.models import quantized, switch
+    from dlm.runtime.models.diffusion_gemma import ModelArgs
+    from dlm.runtime.models.diffusion_gemma.layers import Experts
+
+    mx.set_default_device(mx.cpu)
+    args = ModelArgs.from_config(dict(RELEASED, num_hidden_layers=1, vocab_size=4096))
+    B, L, E, K = a.batch, args.canvas_length, args.num_experts, args.top_k_experts
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((B * L, args.hidden_size)).astype(np.float32))
+    idx = mx.array(np.argsort(-rng.standard_normal((B * L, E)), axis=1)[:, :K].astype(np.int32))
+    w = mx.softmax(mx.array(rng.standard_normal((B * L, K)).astype(np.float32)), axis=-1)
+    rows = [slice(s * L, (s + 1) * L) for s in range(B)]
+    results = {}
+    for dtype in a.dtypes:
+        experts = Experts(args)
+        random_params(experts)
+        if dtype == "q4":
+            experts.gate_up_proj = experts.gate_up_proj.to_quantized(group_size=64, bits=4)
+            experts.down_proj = experts.down_proj.to_quantized(group_size=64, bits=4)
+            quantized.mark(experts)
+            mx.eval(experts.parameters())
+        assert switch.grouped(L * K, E, experts.gate_up_proj, experts.down_proj), "not the grouped path"
+
+        def together():
+            return experts(x, idx, w, sequences=B)
+
+        def apart():
+            return mx.concatenate([experts(x[r], idx[r], w[r]) for r in rows])
+
+        same = bool(mx.array_equal(together(), apart()))
+        runs = {"apart": [], "together": []}
+        for _ in range(a.repeats):
+            for name, fn in (("apart", apart), ("together", together)):
+                t = time.perf_counter()
+                mx.eval(fn())
+                runs[name].append(time.perf_counter() - t)
+        row = {name: {"median_s": statistics.median(t), "range_s": [min(t), max(t)]} for name, t in runs.items()}
+        row["speedup"] = row["apart"]["median_s"] / row["together"]["median_s"]
+        row["bitwise_equal"] = same
+        results[dtype] = row
+        p, t = row["apart"], row["together"]
+        print(f"{dtype}: {B} canvases one call each {p['median_s']:.2f} s [{p['range_s'][0]:.2f}-{p['range_s'][1]:.2f}]"
+              f" | one batched call {t['median_s']:.2f} s [{t['range_s'][0]:.2f}-{t['range_s'][1]:.2f}]"
+              f" | {row['speedup']:.2f}x | same bits: {same}", flush=True)
+        del experts
+    command = " ".join([Path(sys.executable).name, "-m", __spec__.name] + sys.argv[1:])
+    meta = {"command": command, "mlx": mx.__version__, "blas": blas.STATUS, "batch": B, "repeats": a.repeats}
+    print(json.dumps(meta))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
