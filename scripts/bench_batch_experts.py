@@ -12,6 +12,11 @@ model runs on the CPU when its float32 weights do not fit). Interleaved
 repeats, medians [min-max]:
 
     .venv/bin/python -m scripts.bench_batch_experts [--batch 4] [--repeats 3] [--dtypes f32 q4]
+
+``--llada2``: why a float32 LLaDA2.0-mini batch shares nothing here: one projection's ``gather_mm`` at
+its released expert shape (256 experts of 2048 -> 512, top-8) over one 32-position block's token copies
+and over the batch's, sorted by expert; and the head (vocab 157184) per block, whole and cut into 32 MB
+vocabulary slices (each slice's batch of GEMMs reading it once).
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", nargs="+", default=["f32", "q4"], choices=["f32", "q4"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--llada2", action="store_true", help="the LLaDA2.0-mini probes instead")
     a = ap.parse_args()
+    if a.llada2:
+        return llada2(a.batch, a.repeats)
 
     from dlm.runtime import blas  # first: loads the optimized BLAS ahead of MLX
 
@@ -89,6 +97,44 @@ def main() -> None:
     print(json.dumps(meta))
     if a.json:
         Path(a.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+def llada2(batch: int, repeats: int) -> None:
+    from dlm.runtime import blas  # first: loads the optimized BLAS ahead of MLX
+
+    import mlx.core as mx
+    import numpy as np
+
+    mx.set_default_device(mx.cpu)
+    E, H, inter, V, L, K = 256, 2048, 512, 157184, 32, 8
+    rng = np.random.default_rng(0)
+
+    def timed(fn):
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mx.eval(fn())
+            times.append(time.perf_counter() - t)
+        return f"{statistics.median(times):.3f} s [{min(times):.3f}-{max(times):.3f}]"
+
+    w = mx.random.normal((E, inter, H)) * 0.02
+    for b in (1, batch):
+        ids = np.sort(np.concatenate([np.argsort(-rng.standard_normal((L, E)), axis=1)[:, :K].ravel()
+                                      for _ in range(b)]))
+        x, idx = mx.random.normal((b * L * K, 1, H)), mx.array(ids.astype(np.uint32))
+        mx.eval(w, x, idx)
+        print(f"gather_mm, {b} block(s): {b * L * K} copies sorted by expert: "
+              f"{timed(lambda: mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True))}")
+    del w
+    head, s = mx.random.normal((V, H)) * 0.02, (32 << 20) // (4 * H)
+    for b in (1, batch):
+        x = mx.random.normal((b, L, H))
+        mx.eval(head, x)
+        whole = timed(lambda: x @ mx.broadcast_to(head.T, (b, H, V)))
+        sliced = timed(lambda: mx.concatenate(
+            [x @ mx.broadcast_to(head[a:a + s].T, (b, H, min(s, V - a))) for a in range(0, V, s)], axis=-1))
+        print(f"head, {b} block(s), one GEMM per block: whole {whole} | in 32 MB vocabulary slices {sliced}")
+    print(json.dumps({"blas": blas.STATUS, "mlx": mx.__version__, "batch": batch, "repeats": repeats}))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,24 @@ def test_linear_per_sequence(length, bias):
     assert np.array_equal(np.array(rows.linear(layer, x[:1])), np.array(layer(x[:1])))  # alone: the plain call
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_batches_past_mlx_offsets_run_one_op_a_sequence(monkeypatch, bias):
+    """Past MLX's 32-bit batch offsets (rows.OFFSET_LIMIT; a segfault at the
+    released vocabulary from 4 sequences) each sequence's GEMM runs as its own
+    op: the same bits as the one-op batch and as the sequence alone."""
+    layer = nn.Linear(256, 320, bias=bias)
+    x = batch(7, (4, 9, 256))
+    one_op = rows.linear(layer, x)
+    monkeypatch.setattr(rows, "OFFSET_LIMIT", 3 * 256 * 320)  # the 4th sequence's offset reaches it
+    assert rows._one_op(x[:3], layer["weight"]) and not rows._one_op(x, layer["weight"])
+    assert np.array_equal(np.array(rows.linear(layer, x)), np.array(one_op))
+    assert equal_per_sequence(rows.linear(layer, x), alone(layer, x))
+    monkeypatch.setattr(rows, "OFFSET_LIMIT", 1)
+    w = batch(8, (256, 64))
+    y = rows.matmul(x.reshape(2, 2, 9, 256), w)  # two batch axes
+    assert y.shape == (2, 2, 9, 64) and equal_per_sequence(y.reshape(4, 9, 64), alone(lambda r: r @ w, x))
+
+
 def test_quantized_linear_and_tied_head_per_sequence():
     layer = nn.QuantizedLinear.from_linear(nn.Linear(256, 128, bias=False), group_size=64, bits=4)
     x = batch(1, (4, 7, 256))

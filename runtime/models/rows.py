@@ -33,10 +33,31 @@ def _batched(x: mx.array) -> bool:
     return x.ndim >= 3 and x.shape[0] > 1
 
 
+# MLX's CPU matmul (0.32.4) finds each batch element's matrices through 32-bit
+# element offsets: with a broadcast weight, element i's offset i * in * out
+# wraps past 2^31 and the GEMM reads outside the weight (a segfault: the
+# released DiffusionGemma's tied head, 262144 x 2816, for a batch of 4). Such a
+# batch runs its sequences' GEMMs one op each: the same GEMM calls.
+OFFSET_LIMIT = 2**31
+
+
+def _one_op(x: mx.array, w: mx.array) -> bool:
+    return (x.size // (x.shape[-2] * x.shape[-1]) - 1) * w.size < OFFSET_LIMIT
+
+
+def _each(product, x: mx.array) -> mx.array:
+    """``product(rows)`` of every sequence of ``x`` [..., L, in], stacked back."""
+    flat = x.reshape(-1, *x.shape[-2:])
+    y = mx.stack([product(flat[i]) for i in range(flat.shape[0])])
+    return y.reshape(*x.shape[:-2], *y.shape[-2:])
+
+
 def matmul(x: mx.array, w: mx.array) -> mx.array:
     """``x @ w`` for a 2-D ``w``, one GEMM per sequence of ``x``'s batch axis."""
     if not _batched(x):
         return x @ w
+    if not _one_op(x, w):
+        return _each(lambda rows: rows @ w, x)
     return x @ mx.broadcast_to(w, x.shape[:-2] + w.shape)
 
 
@@ -47,9 +68,11 @@ def linear(module, x: mx.array) -> mx.array:
     if not _batched(x):
         return module(x)
     w = module["weight"].T
-    if "bias" in module:
-        return mx.addmm(module["bias"], x, mx.broadcast_to(w, x.shape[:-2] + w.shape))
-    return matmul(x, w)
+    if "bias" not in module:
+        return matmul(x, w)
+    if not _one_op(x, w):
+        return _each(lambda rows: mx.addmm(module["bias"], rows, w), x)
+    return mx.addmm(module["bias"], x, mx.broadcast_to(w, x.shape[:-2] + w.shape))
 
 
 def as_linear(embedding, x: mx.array) -> mx.array:
