@@ -24,6 +24,8 @@ dequantized per call (quantized.py) get one GEMM per sequence as float ones do.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from . import quantized  # (quantized.py imports this module inside its functions)
@@ -35,14 +37,15 @@ def _batched(x: mx.array) -> bool:
 
 # MLX's CPU matmul (0.32.4) finds each batch element's matrices through 32-bit
 # element offsets: with a broadcast weight, element i's offset i * in * out
-# wraps past 2^31 and the GEMM reads outside the weight (a segfault: the
-# released DiffusionGemma's tied head, 262144 x 2816, for a batch of 4). Such a
-# batch runs its sequences' GEMMs one op each: the same GEMM calls.
+# wraps past 2^31 and the GEMM reads outside the weight (a segfault, or rows
+# silently wrong: the released DiffusionGemma's tied head, 262144 x 2816, from
+# a batch of 4; scripts/probe_batch_offsets.py). Such a batch runs its
+# sequences' GEMMs one op each: the same GEMM calls.
 OFFSET_LIMIT = 2**31
 
 
 def _one_op(x: mx.array, w: mx.array) -> bool:
-    return (x.size // (x.shape[-2] * x.shape[-1]) - 1) * w.size < OFFSET_LIMIT
+    return (math.prod(x.shape[:-2]) - 1) * w.size < OFFSET_LIMIT
 
 
 def _each(product, x: mx.array) -> mx.array:
