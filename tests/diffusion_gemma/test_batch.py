@@ -69,6 +69,20 @@ def kind_sizes(monkeypatch):
     return sizes
 
 
+@pytest.fixture
+def encode_sizes(monkeypatch):
+    """The batch sizes of the batched re-encodes of committed canvases that ran."""
+    sizes = []
+    real = dg_batch._encode_group
+
+    def counting(model, canvases, caches):
+        sizes.append(len(canvases))
+        return real(model, canvases, caches)
+
+    monkeypatch.setattr(dg_batch, "_encode_group", counting)
+    return sizes
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_dg_mlx_dir):
     return api.load(tiny_dg_mlx_dir)
@@ -82,14 +96,16 @@ def test_mixed_prompts_and_settings_equal_solo(loaded, group_sizes):
     assert {len(b) for r in want for b in r[1]} == {4, 5, 8}  # canvases of three lengths ran together
 
 
-def test_every_step_logits_equal_solo_bitwise(loaded, group_sizes):
+def test_every_step_logits_equal_solo_bitwise(loaded, group_sizes, encode_sizes):
     """The float32 logits of every step are the solo ones to the last bit (a merged
-    GEMM over the batch's rows would differ here: canvases of 5 and 7 positions)."""
+    GEMM over the batch's rows would differ here: canvases of 5 and 7 positions),
+    with the committed canvases of one length re-encoded in one forward (their
+    prompts of 12, 28, 3, 19 and 9 tokens: caches of different lengths)."""
     prompts = [SHORT, LONG, SHORT[:3], LONG[:19], SHORT, LONG[:9]]
     options = [{"max_tokens": 15, "max_denoising_steps": 3, "seed": i, "diffusion_max_canvas_length": n,
                 "diffusion_min_canvas_length": 2} for i, n in enumerate([5, 5, 5, 7, 7, 8])]
     assert_step_logits_equal_solo(loaded, prompts, options)
-    assert max(group_sizes) == 3
+    assert max(group_sizes) == 3 and max(encode_sizes) == 3
 
 
 def test_numpy_vocabulary_rows_equal_solo(loaded, group_sizes, monkeypatch):

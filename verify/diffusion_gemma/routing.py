@@ -36,12 +36,12 @@ def record_mlx_routes(loaded, log: R.RouteLog):
     model = loaded.model
     real_encode, real_decode = model.encode, model.decode
 
-    def encode(ids, cache, offset=None, features=None, blocks=None, collect=None):
+    def encode(ids, cache, offset=None, features=None, blocks=None, collect=None, compiled=False):
         tokens = np.array(ids).reshape(-1).tolist()
         keyed = features is None and (blocks is None or not (np.asarray(blocks) >= 0).any())
         keys = R.encoder_keys(cache[0], tokens, keyed)
         with layer_routes() as record:
-            real_encode(ids, cache, offset, features, blocks, collect)
+            real_encode(ids, cache, offset, features, blocks, collect, compiled)
         _put(log, "encoder", record, keys)
 
     def decode(canvas, cache, sc_logits=None, offset=None, collect=None, sc_probs=None):

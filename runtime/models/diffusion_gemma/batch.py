@@ -39,6 +39,7 @@ class Member:
     def __init__(self, session):
         self.session = session
         self.finished: Optional[Block] = None  # the block of the canvas that just ended
+        self.encoding: Optional[mx.array] = None  # the committed canvas to encode before the next step
         self.length = 0
         self._settings = None
         self._reset()
@@ -57,8 +58,8 @@ class Member:
 
     def begin(self, remaining: int) -> None:
         s = self.session
-        if s.pending is not None:  # commit: encode the previous canvas at its positions
-            s.model.encode(s.pending, s.cache)
+        if s.pending is not None:  # commit: the previous canvas is encoded at its positions (Batch.step)
+            self.encoding = s.pending
             if s.prefix is not None:
                 s.prefix.ids.extend(s.pending[0].tolist())
         st = s.settings
@@ -148,7 +149,11 @@ class Batch:
         return Member(session)
 
     def step(self, members: list[Member]) -> None:
-        """One denoising step of every busy member (one decoder forward per canvas length)."""
+        """One denoising step of every busy member (one decoder forward per canvas
+        length), after encoding the canvases that members just committed (one
+        encoder forward per canvas length; a member cancelled since still encodes
+        it, as alone: a kept prefix cache holds every committed canvas)."""
+        encode(self.model, [m for m in members if m.encoding is not None])
         busy = [m for m in members if m.busy]
         for m in busy:
             m.account()
@@ -196,6 +201,33 @@ def build(members: list[Member], logits: mx.array) -> None:
                         canvas, revealed, first.inputs[3])
     for m, step in zip(members, steps):
         m.following = step
+
+
+def encode(model, members: list[Member]) -> None:
+    """``model.encode`` of the members' committed canvases, each at its own
+    positions into its own prefix cache: one forward per canvas length (lazy)."""
+    groups: dict[int, list[Member]] = {}
+    for m in members:
+        groups.setdefault(m.encoding.shape[-1], []).append(m)
+    for group in groups.values():
+        if len(group) == 1:  # alone: exactly the solo call
+            model.encode(group[0].encoding, group[0].session.cache, compiled=True)
+        else:
+            _encode_group(model, [m.encoding for m in group], [m.session.cache for m in group])
+        for m in group:
+            m.encoding = None
+
+
+def _encode_group(model, canvases: list[mx.array], caches: list[list]) -> None:
+    """Model.encode (compiled) of equal-length canvases [1, L], batched."""
+    dec = model.model.decoder
+    scalars = model.model.encoder.language_model.layers
+    h = dec.embed(mx.concatenate(canvases))
+    offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
+    last = len(dec.layers) - 1
+    for i, layer in enumerate(dec.layers):
+        h = layer(h, [c[i] for c in caches], offsets, True, scalars[i]["layer_scalar"],
+                  attention_only=i == last, compiled=model.compile)
 
 
 def decode(model, canvases: list[mx.array], sc_probs: list[Optional[mx.array]],

@@ -248,7 +248,7 @@ class CanvasSession:
     def next_block(self, remaining: int) -> Block:
         model, cache, s = self.model, self.cache, self.settings
         if self.pending is not None:  # commit: encode the previous canvas at its positions
-            model.encode(self.pending, cache)
+            model.encode(self.pending, cache, compiled=True)
             if self.prefix is not None:
                 self.prefix.ids.extend(self.pending[0].tolist())
         length = S.canvas_length(remaining, s.min_canvas, s.max_canvas, s.full_canvas)

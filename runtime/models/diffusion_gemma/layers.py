@@ -407,12 +407,13 @@ class DecoderLayer(nn.Module):
         ``attention_only`` (last encoder layer) only writes the cache
         and returns None: nothing downstream reads that layer's output.
         ``blocks``: the encoder chunk's image block ids (bidirectional blocks).
-        ``cache`` may be a list, one cache per sequence of a decoder batch
-        (``offset``: their offsets, [B]): each sequence attends to its own prefix."""
+        ``cache`` may be a list, one cache per sequence of a batch (``offset``:
+        their offsets, [B]): each sequence attends to its own prefix (and, in
+        the encoder, appends to it)."""
         project, finish = self.compiled() if compiled else (self._project, self._finish)
         q, k, v = project(x, offset)
         if isinstance(cache, list):
-            attn = self._attend_each(q, k, v, cache)
+            attn = self._encode_each(q, k, v, cache) if encode else self._attend_each(q, k, v, cache)
         else:
             attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
         if attention_only:
@@ -445,6 +446,28 @@ class DecoderLayer(nn.Module):
             order.extend(idx)
         inverse = mx.array([order.index(b) for b in range(len(caches))])
         return mx.concatenate(out)[inverse]
+
+
+    def _encode_each(self, q: mx.array, k: mx.array, v: mx.array, caches: list[PrefixCache]) -> mx.array:
+        """Encoder attention of a batch (committed canvases re-encoded together):
+        each sequence appends its keys to its own cache and attends causally to
+        what it holds, as alone. Sequences whose caches held as many positions
+        share the mask and attend in one batched call (per sequence the same
+        computation)."""
+        groups: dict[int, list[int]] = {}
+        for b, c in enumerate(caches):
+            groups.setdefault(c.length, []).append(b)
+        out, order = [], []
+        for held, idx in groups.items():
+            fetched = [caches[b].update(k[b : b + 1], v[b : b + 1]) for b in idx]
+            keys, values = (mx.concatenate(t) if len(t) > 1 else t[0] for t in zip(*fetched))
+            rows = q if len(groups) == 1 else q[mx.array(idx)]
+            mask = self.self_attn._encoder_mask(held, q.shape[2])
+            out.append(mx.fast.scaled_dot_product_attention(rows, keys, values, scale=1.0, mask=mask))
+            order.extend(idx)
+        if len(groups) == 1:
+            return out[0]
+        return mx.concatenate(out)[mx.array([order.index(b) for b in range(len(caches))])]
 
 
 class _Stacked:

@@ -275,14 +275,20 @@ class Model(nn.Module):
 
     def encode(self, ids, cache: list[PrefixCache], offset: Optional[int] = None,
                features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None,
-               collect: Optional[list] = None) -> None:
+               collect: Optional[list] = None, compiled: bool = False) -> None:
         """``features`` [n, hidden] replace the embeddings where ``blocks`` >= 0
         (in order); ``blocks`` ([S] ints, -1 for text) also makes each image
         block bidirectional in every layer (reference §5.3). ``collect``: a
         list that gets each layer's output (None for the last layer, which
-        only writes the cache), for dlm-verify's per-layer diagnostic."""
+        only writes the cache), for dlm-verify's per-layer diagnostic.
+        ``compiled``: the layers' fixed-shape parts run fused, as the decoder's
+        (``self.compile`` permitting): for the re-encoding of each committed
+        canvas, whose few shapes repeat (uncompiled, a tiny model's 8-position
+        re-encode cost more than a decoder step); not for prompt chunks, whose
+        every new length would trace anew."""
         ids = self._ids(ids)
         offset = cache[0].offset if offset is None else offset
+        compiled = compiled and self.compile and collect is None and blocks is None
         dec = self.model.decoder
         scalars = self.model.encoder.language_model.layers
         h = dec.embed(ids)
@@ -294,9 +300,10 @@ class Model(nn.Module):
             h = mx.where(mx.array(image)[None, :, None], features.astype(h.dtype)[source][None], h)
             block_ids = mx.array(blocks.astype(np.int32))
         last = len(dec.layers) - 1
+        at = mx.array(offset, dtype=mx.int32) if compiled else offset
         for i, layer in enumerate(dec.layers):
-            h = layer(layer_input(collect, h), cache[i], offset, True, scalars[i]["layer_scalar"],
-                      attention_only=i == last, blocks=block_ids)
+            h = layer(layer_input(collect, h), cache[i], at, True, scalars[i]["layer_scalar"],
+                      attention_only=i == last, blocks=block_ids, compiled=compiled)
             if collect is not None:
                 collect.append(h)
 
