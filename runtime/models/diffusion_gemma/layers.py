@@ -226,6 +226,20 @@ class Attention(nn.Module):
                 values = mx.concatenate([cache.values, v], axis=2)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
 
+    def attend_stacked(self, q: mx.array, k: mx.array, v: mx.array, caches: list[PrefixCache]) -> mx.array:
+        """The decoder's ``attend`` for a batch whose caches hold as many positions."""
+        return self.attend(q, k, v, _Stacked(caches), False)
+
+    def attend_appending(self, q: mx.array, k: mx.array, v: mx.array, caches: list[PrefixCache]) -> mx.array:
+        """The encoder's ``attend`` for a batch whose caches hold as many
+        positions: each sequence appends its keys to its own cache, then all
+        attend in one call under their shared causal mask."""
+        held = caches[0].length
+        fetched = [c.update(k[b : b + 1], v[b : b + 1]) for b, c in enumerate(caches)]
+        keys, values = (mx.concatenate(t) if len(t) > 1 else t[0] for t in zip(*fetched))
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0,
+                                                    mask=self._encoder_mask(held, q.shape[2]))
+
     def output(self, attn: mx.array) -> mx.array:
         B, _, S, _ = attn.shape
         return linear(self.o_proj, attn.transpose(0, 2, 1, 3).reshape(B, S, -1))
@@ -413,7 +427,7 @@ class DecoderLayer(nn.Module):
         project, finish = self.compiled() if compiled else (self._project, self._finish)
         q, k, v = project(x, offset)
         if isinstance(cache, list):
-            attn = self._encode_each(q, k, v, cache) if encode else self._attend_each(q, k, v, cache)
+            attn = self._attend_each(q, k, v, cache, encode)
         else:
             attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
         if attention_only:
@@ -429,45 +443,26 @@ class DecoderLayer(nn.Module):
             return combine(h, m1, self.experts(xe, idx, weights, x.shape[0]), scalar)
         return finish(x, attn, scalar)
 
-    def _attend_each(self, q: mx.array, k: mx.array, v: mx.array, caches: list[PrefixCache]) -> mx.array:
-        """Decoder attention of a batch, each sequence against its own prefix cache.
-        Sequences whose caches hold as many positions (sliding layers past their
-        window, all alike) attend in one batched call: per sequence it computes
-        what it computes alone (batched matmuls and softmax run per sequence)."""
+    def _attend_each(self, q: mx.array, k: mx.array, v: mx.array, caches: list[PrefixCache],
+                     encode: bool) -> mx.array:
+        """Attention of a batch, each sequence against its own prefix cache (the
+        encoder appends to it first). Sequences whose caches hold as many
+        positions (sliding layers past their window, all alike) attend in one
+        batched call: per sequence it computes what it computes alone (batched
+        matmuls and softmax run per sequence)."""
         groups: dict[int, list[int]] = {}
         for b, c in enumerate(caches):
             groups.setdefault(c.length, []).append(b)
+        attend = self.self_attn.attend_appending if encode else self.self_attn.attend_stacked
         if len(groups) == 1:
-            return self.self_attn.attend(q, k, v, _Stacked(caches), False)
+            return attend(q, k, v, caches)
         out, order = [], []
         for idx in groups.values():
             sel = mx.array(idx)
-            out.append(self.self_attn.attend(q[sel], k[sel], v[sel], _Stacked([caches[b] for b in idx]), False))
+            out.append(attend(q[sel], k[sel], v[sel], [caches[b] for b in idx]))
             order.extend(idx)
         inverse = mx.array([order.index(b) for b in range(len(caches))])
         return mx.concatenate(out)[inverse]
-
-
-    def _encode_each(self, q: mx.array, k: mx.array, v: mx.array, caches: list[PrefixCache]) -> mx.array:
-        """Encoder attention of a batch (committed canvases re-encoded together):
-        each sequence appends its keys to its own cache and attends causally to
-        what it holds, as alone. Sequences whose caches held as many positions
-        share the mask and attend in one batched call (per sequence the same
-        computation)."""
-        groups: dict[int, list[int]] = {}
-        for b, c in enumerate(caches):
-            groups.setdefault(c.length, []).append(b)
-        out, order = [], []
-        for held, idx in groups.items():
-            fetched = [caches[b].update(k[b : b + 1], v[b : b + 1]) for b in idx]
-            keys, values = (mx.concatenate(t) if len(t) > 1 else t[0] for t in zip(*fetched))
-            rows = q if len(groups) == 1 else q[mx.array(idx)]
-            mask = self.self_attn._encoder_mask(held, q.shape[2])
-            out.append(mx.fast.scaled_dot_product_attention(rows, keys, values, scale=1.0, mask=mask))
-            order.extend(idx)
-        if len(groups) == 1:
-            return out[0]
-        return mx.concatenate(out)[mx.array([order.index(b) for b in range(len(caches))])]
 
 
 class _Stacked:

@@ -1,0 +1,101 @@
+"""Where a request's time goes in a batch, in-process: ``--clients`` closed-loop
+clients (each sends its next request when the last one ends, as
+scripts/bench_serve.py's do over HTTP) on one Batcher, against one client
+(the requests run one at a time), interleaved rounds, medians.
+
+    .venv/bin/python -m scripts.bench_closed_loop --model path/to/mlx-model [--clients 4]
+
+Prints the milliseconds per request of each, and the scheduler's steps by what
+else they did: admitted requests (their prefills) and canvases/blocks begun (a
+DiffusionGemma canvas begins with the re-encoding of the one committed before
+it). The same chat request as bench_serve.py, every request its own seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import statistics
+import time
+
+from dlm.runtime import api
+from dlm.runtime.batch import Batcher, family_batch
+
+MESSAGES = [{"role": "user", "content": "Explain why the sky is blue in two sentences."}]
+
+
+class Counted:
+    """Counts the admissions and begun canvases/blocks of each Batcher step."""
+
+    def __init__(self, loaded):
+        self.now = collections.Counter()
+        member = family_batch(loaded).Member
+        begin, admit = member.begin, Batcher._admit
+
+        def counted_begin(m, remaining):
+            self.now["begun"] += 1
+            return begin(m, remaining)
+
+        def counted_admit(batcher, events):
+            before = len(batcher.active)
+            admit(batcher, events)
+            self.now["admitted"] += len(batcher.active) - before
+
+        member.begin, Batcher._admit = counted_begin, counted_admit
+
+
+def closed_loop(loaded, ids, options, clients: int, total: int, counted: Counted, steps: dict) -> float:
+    """ms per request of ``total`` requests from ``clients`` closed-loop clients;
+    each step's ms goes to ``steps[(admitted, begun)]``."""
+    batcher, seeds, done = Batcher(loaded, max_batch=max(clients, 1)), itertools.count(), 0
+    for _ in range(clients):
+        batcher.add(ids, {**options, "seed": next(seeds)})
+    start = time.perf_counter()
+    while done < total:
+        counted.now.clear()
+        t = time.perf_counter()
+        events = batcher.step()
+        steps[(counted.now["admitted"], counted.now["begun"])].append((time.perf_counter() - t) * 1e3)
+        for entry, event in events:
+            if entry.final is event:
+                done += 1
+                if done + len(batcher.active) + len(batcher.waiting) < total:
+                    batcher.add(ids, {**options, "seed": next(seeds)})
+    return (time.perf_counter() - start) / total * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="converted MLX model directory")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--requests", type=int, default=16, help="requests per run")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8, help="DiffusionGemma's max_denoising_steps")
+    p.add_argument("--block-length", type=int, default=8, help="LLaDA-2's block length")
+    args = p.parse_args()
+    loaded = api.load(args.model)
+    ids = api.encode_prompt(loaded, messages=MESSAGES)
+    llada = loaded.family.name == "llada2_moe"
+    options = {"max_tokens": args.max_tokens,
+               **({"block_length": args.block_length} if llada else {"max_denoising_steps": args.steps})}
+    counted = Counted(loaded)
+    closed_loop(loaded, ids, options, args.clients, args.clients, counted, collections.defaultdict(list))  # warm-up
+    runs = {1: [], args.clients: []}
+    steps = {n: collections.defaultdict(list) for n in runs}
+    for _ in range(args.rounds):
+        for n in runs:
+            runs[n].append(closed_loop(loaded, ids, options, n, args.requests, counted, steps[n]))
+    for n, times in runs.items():
+        print(json.dumps({"clients": n, "ms_per_request": round(statistics.median(times), 1),
+                          "rounds": [round(x) for x in times]}))
+        for (admitted, begun), ms in sorted(steps[n].items()):
+            print(json.dumps({"clients": n, "admitted": admitted, "begun": begun, "steps": len(ms),
+                              "median_ms": round(statistics.median(ms), 1)}))
+    print(json.dumps({"ratio": round(statistics.median(runs[1]) / statistics.median(runs[args.clients]), 2)}))
+
+
+if __name__ == "__main__":
+    main()
