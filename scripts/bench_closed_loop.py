@@ -6,9 +6,9 @@ scripts/bench_serve.py's do over HTTP) on one Batcher, against one client
     .venv/bin/python -m scripts.bench_closed_loop --model path/to/mlx-model [--clients 4]
 
 Prints the milliseconds per request of each, and the scheduler's steps by what
-else they did: admitted requests (their prefills) and canvases/blocks begun (a
-DiffusionGemma canvas begins with the re-encoding of the one committed before
-it). The same chat request as bench_serve.py, every request its own seed.
+else they did: admitted requests (and the milliseconds of their prefills) and
+canvases/blocks begun (a DiffusionGemma canvas begins with the re-encoding of
+the one committed before it). The same chat request as bench_serve.py, every request its own seed.
 """
 
 from __future__ import annotations
@@ -27,12 +27,18 @@ MESSAGES = [{"role": "user", "content": "Explain why the sky is blue in two sent
 
 
 class Counted:
-    """Counts the admissions and begun canvases/blocks of each Batcher step."""
+    """Counts the admissions and begun canvases/blocks of each Batcher step, and
+    the milliseconds of its prefills."""
 
     def __init__(self, loaded):
         self.now = collections.Counter()
-        member = family_batch(loaded).Member
-        begin, admit = member.begin, Batcher._admit
+        member, session = family_batch(loaded).Member, loaded.family.generation().Session
+        begin, admit, prefill = member.begin, Batcher._admit, session.prefill
+
+        def timed_prefill(s):
+            t = time.perf_counter()
+            prefill(s)
+            self.now["prefill_ms"] += (time.perf_counter() - t) * 1e3
 
         def counted_begin(m, remaining):
             self.now["begun"] += 1
@@ -43,12 +49,12 @@ class Counted:
             admit(batcher, events)
             self.now["admitted"] += len(batcher.active) - before
 
-        member.begin, Batcher._admit = counted_begin, counted_admit
+        member.begin, Batcher._admit, session.prefill = counted_begin, counted_admit, timed_prefill
 
 
 def closed_loop(loaded, ids, options, clients: int, total: int, counted: Counted, steps: dict) -> float:
     """ms per request of ``total`` requests from ``clients`` closed-loop clients;
-    each step's ms goes to ``steps[(admitted, begun)]``."""
+    each step's (ms, prefill ms) goes to ``steps[(admitted, begun)]``."""
     batcher, seeds, done = Batcher(loaded, max_batch=max(clients, 1)), itertools.count(), 0
     for _ in range(clients):
         batcher.add(ids, {**options, "seed": next(seeds)})
@@ -57,7 +63,8 @@ def closed_loop(loaded, ids, options, clients: int, total: int, counted: Counted
         counted.now.clear()
         t = time.perf_counter()
         events = batcher.step()
-        steps[(counted.now["admitted"], counted.now["begun"])].append((time.perf_counter() - t) * 1e3)
+        steps[(counted.now["admitted"], counted.now["begun"])].append(((time.perf_counter() - t) * 1e3,
+                                                                      counted.now["prefill_ms"]))
         for entry, event in events:
             if entry.final is event:
                 done += 1
@@ -91,9 +98,12 @@ def main() -> None:
     for n, times in runs.items():
         print(json.dumps({"clients": n, "ms_per_request": round(statistics.median(times), 1),
                           "rounds": [round(x) for x in times]}))
-        for (admitted, begun), ms in sorted(steps[n].items()):
-            print(json.dumps({"clients": n, "admitted": admitted, "begun": begun, "steps": len(ms),
-                              "median_ms": round(statistics.median(ms), 1)}))
+        for (admitted, begun), timed in sorted(steps[n].items()):
+            row = {"clients": n, "admitted": admitted, "begun": begun, "steps": len(timed),
+                   "median_ms": round(statistics.median(ms for ms, _ in timed), 1)}
+            if admitted:
+                row["prefill_median_ms"] = round(statistics.median(p for _, p in timed), 1)
+            print(json.dumps(row))
     print(json.dumps({"ratio": round(statistics.median(runs[1]) / statistics.median(runs[args.clients]), 2)}))
 
 
