@@ -24,7 +24,7 @@ from dlm.runtime import blas  # before MLX: loads the optimized BLAS
 import mlx.core as mx  # noqa: E402  (isort: skip)
 import mlx.nn as nn  # noqa: E402
 from dlm.runtime.models import cpu_streams, quantized  # noqa: E402
-from dlm.runtime.models.switch import SwitchLinear  # noqa: E402
+from dlm.runtime.models.switch import SwitchLinear, project  # noqa: E402
 
 H = 2816
 PIECES = [  # name, rows, out, in, bits
@@ -74,7 +74,7 @@ def _experts():
         outs = []
         for e in range(EXPERTS):
             with mx.stream(streams[e % len(streams)]) if streams else mx.stream(mx.cpu):
-                outs.append(q.dense(e, xs[e]))
+                outs.append(project(xs[e], q.expert_weight(e)))
         return mx.concatenate(outs)
 
     return kernel, per_call

@@ -49,10 +49,6 @@ class SwitchLinear(nn.Module):
         """One expert's weight [out, in], as its grouped products read it."""
         return self["weight"][expert]
 
-    def dense(self, expert: int, x: mx.array) -> mx.array:
-        """``x`` [rows, in] through one expert's weight (one dense matmul)."""
-        return project(x, self.expert_weight(expert))
-
     def to_quantized(self, group_size: int = None, bits: int = None, mode: str = "affine", **_):
         return QuantizedSwitchLinear.from_float(self, group_size, bits, mode)
 
@@ -71,10 +67,6 @@ class QuantizedSwitchLinear(nn.Module):
     def expert_weight(self, expert: int) -> mx.array:
         """One expert's weight [out, in] dequantized to float32 (for this call)."""
         return quantized.dequantized(self, expert=expert)
-
-    def dense(self, expert: int, x: mx.array) -> mx.array:
-        """``x`` [rows, in] through one expert, its weight dequantized for this call."""
-        return project(x, self.expert_weight(expert))
 
     @classmethod
     def from_float(cls, layer: SwitchLinear, group_size, bits, mode):
