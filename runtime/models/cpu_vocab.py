@@ -60,8 +60,10 @@ def takes(entries: int) -> bool:
 
 
 def wanted(x: mx.array) -> bool:
-    """Whether ``x``'s rows go through numpy (``takes`` its size)."""
-    return takes(x.size)
+    """Whether ``x``'s rows go through numpy: ``takes`` one sequence's size
+    (``x`` [B, L, V]: one of B; [L, V]: all), so a batch takes the path each of
+    its sequences takes alone, and gets the same bits."""
+    return takes(x[0].size if x.ndim > 2 else x.size)
 
 
 def _threads() -> tuple[ThreadPoolExecutor, int]:

@@ -127,6 +127,25 @@ def test_numpy_vocabulary_rows_equal_solo(loaded, group_sizes, monkeypatch):
     assert_step_logits_equal_solo(loaded, PROMPTS[:3], OPTIONS[:3])
 
 
+def test_vocabulary_path_is_chosen_per_sequence(loaded, group_sizes, monkeypatch):
+    """cpu_vocab's numpy-or-MLX choice goes by one sequence's size: with the
+    threshold between one canvas's logits and a batch's (as at the released
+    geometry, where a canvas of 8 stays in MLX and four of them would not),
+    a batch of short canvases stays on the path each takes alone, bit for bit."""
+    from dlm.runtime.models import cpu_vocab
+
+    vocab = loaded.args.vocab_size
+    monkeypatch.setattr(cpu_vocab, "MIN_ENTRIES", 10 * vocab)  # one canvas of 8: MLX; three: would be numpy
+    taken = []
+    real = cpu_vocab.softcap
+    monkeypatch.setattr(cpu_vocab, "softcap", lambda x, cap: taken.append(x.shape) or real(x, cap))
+    prompts = [SHORT, LONG, SHORT[:5]]
+    options = [{"max_tokens": 16, "max_denoising_steps": 3, "seed": i, "diffusion_max_canvas_length": 8,
+                "diffusion_min_canvas_length": 8} for i in range(3)]
+    assert_step_logits_equal_solo(loaded, prompts, options)
+    assert max(group_sizes) == 3 and not taken
+
+
 def assert_step_logits_equal_solo(loaded, prompts, options):
     def recorder(out):
         return lambda step, logits, argmax: out.append(np.array(logits))

@@ -165,6 +165,25 @@ def test_numpy_vocabulary_rows_equal_solo(loaded, group_sizes, reveal_sizes, mon
     assert max(group_sizes) >= 3
 
 
+def test_vocabulary_path_is_chosen_per_block(loaded, reveal_sizes, monkeypatch):
+    """cpu_vocab's numpy-or-MLX choice goes by one block's size: with the
+    threshold between one block's logits and a merged reveal's (as at the
+    released geometry, where a block of 8 stays in MLX and four of them would
+    not), merged blocks stay on the path each takes alone."""
+    from dlm.runtime.models import cpu_vocab
+
+    vocab = loaded.args.vocab_size
+    monkeypatch.setattr(cpu_vocab, "MIN_ENTRIES", 10 * vocab)  # a block of 8: MLX; four: would be numpy
+    taken = []
+    real = cpu_vocab.sample_rows
+    monkeypatch.setattr(cpu_vocab, "sample_rows", lambda x, *a: taken.append(x.shape) or real(x, *a))
+    prompts = [ids(9 + 5 * i, i) for i in range(4)]
+    options = [{"max_tokens": 24, "seed": i, "temp": 0.9, "block_length": 8} for i in range(4)]
+    want = solo(loaded, prompts, options)
+    assert [summary(r) for r in api.generate_batch(loaded, prompts, options)] == want
+    assert max(reveal_sizes) == 4 and not taken
+
+
 def polls_then_cancel(n):
     calls = {"n": 0}
 

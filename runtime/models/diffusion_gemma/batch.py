@@ -161,7 +161,7 @@ class Batch:
         going = [m for m in busy if m.busy]
         # A step that reads on the host while it is built (Model.speculates) is
         # built after the stop flags, so a stopped canvas costs no forward.
-        speculate = self.model.speculates(sum(m.length for m in going), self.eager)
+        speculate = self.model.speculates(max((m.length for m in going), default=0), self.eager)
         if speculate:
             self._build(going)
         stops = [m for m in running if m.stop_flag is not None]

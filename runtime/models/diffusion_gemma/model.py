@@ -251,8 +251,8 @@ class Model(nn.Module):
         return any(layer.experts.eager for layer in self.layers)
 
     def speculates(self, positions: int, eager: Optional[bool] = None) -> bool:
-        """Whether a step over ``positions`` canvas positions (all of a batch's)
-        builds as a lazy graph, so the loop may build the next step while this
+        """Whether a step over canvases of up to ``positions`` positions (a
+        batch's longest) builds as a lazy graph, so the loop may build the next step while this
         one runs: not when CPU experts read their routing on the host, nor when
         the softcap and scores go through numpy (cpu_vocab.py). Otherwise
         building the next step would compute it, wasted if the canvas stops.

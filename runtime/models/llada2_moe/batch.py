@@ -72,14 +72,17 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
     if session.needs_uniforms:
         rows.append(mx.array(np.concatenate([r.uniforms for r in reqs])))
 
+    # Over the vocabulary: numpy's threads at scale (cpu_vocab.py: decided by one
+    # block's size, as alone), else rows split over the CPU streams (MLX's exp
+    # runs on one thread).
+    host = on_host(bl * logits.shape[-1], s)
+
     def score(logits, u=None):
         if session.logit_bias is not None:
             logits = logits + session.logit_bias
-        return sample(logits, s, u)
+        return sample(logits, s, u, host)
 
-    # Over the vocabulary: numpy's threads at scale (cpu_vocab.py), else rows split
-    # over the CPU streams (MLX's exp runs on one thread).
-    scored = score(*rows) if on_host(rows[0].size, s) else split_rows(score, *rows)
+    scored = score(*rows) if host else split_rows(score, *rows)
     tok, conf = (a.reshape(len(reqs), bl) for a in scored)
     block, in_gen = mx.stack([r.block for r in reqs]), mx.stack([r.in_gen for r in reqs])
     active = (block == s.mask_token_id) & in_gen

@@ -55,12 +55,14 @@ def on_host(entries: int, s) -> bool:
     return cpu_vocab.takes(entries) and not s.top_k and (s.top_p is None or s.top_p >= 1)
 
 
-def sample(logits, s, uniforms: Optional[np.ndarray]):
+def sample(logits, s, uniforms: Optional[np.ndarray], host: Optional[bool] = None):
     """(tokens, confidence of each chosen token) for [..., n, V] float32 logits
     (uniforms [..., n]); ``s`` carries temperature, top_k, top_p and
-    reference_sampling (the Settings). Every row is computed on its own."""
+    reference_sampling (the Settings). Every row is computed on its own.
+    ``host``: through numpy or not (default: ``on_host`` of these logits; a
+    batch passes what one block alone takes, so both get the same bits)."""
     greedy = s.temperature == 0 and not s.reference_sampling
-    if on_host(logits.size, s):
+    if on_host(logits.size, s) if host is None else host:
         lead = logits.shape[:-1]  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
         tok, conf = cpu_vocab.sample_rows(logits, s.temperature, None if greedy else uniforms)
         return tok.reshape(lead), conf.reshape(lead)
