@@ -79,15 +79,14 @@ def tiny_dg_torch(tiny_dg_dir):
 def _serving(app, timeout: float = 30.0):
     """Serve ``app`` with uvicorn on 127.0.0.1 and a free port in a background thread;
     yields the base URL."""
-    import socket
     import threading
     import time
 
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    from dlm.runtime.serve_cli import bind
+
+    sock = bind("127.0.0.1", 0)  # as dlm-run serve binds (TCP_NODELAY on its connections)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -469,6 +469,37 @@ def test_serve_takes_generates_generation_flags():
         assert set(param.opts) <= set(serve_params[param.name].opts)
 
 
+def test_served_connections_send_without_nagle_delay():
+    """dlm-run serve's socket names TCP as its protocol, so asyncio (uvicorn serves
+    it with loop.create_server(sock=...)) sets TCP_NODELAY on each connection:
+    without it every response and streamed chunk waited ~40 ms for a delayed ACK."""
+    import asyncio
+    import socket
+
+    from dlm.runtime.serve_cli import bind
+
+    sock = bind("127.0.0.1", 0)
+    flags = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport):
+            flags.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    async def connect():
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        for _ in range(500):
+            if flags:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(connect())
+    assert flags and flags[0] != 0
+
+
 def test_serve_command_binds_loopback_and_checks_defaults(dg_paths, monkeypatch):
     from click.testing import CliRunner
 
