@@ -17,7 +17,10 @@ with a batch axis, and their stop flags are read in one host sync.
 * Per-request: its own canvas/block lengths, settings, seed, budget, stop
   tokens and cancellation (its ``cancel`` is polled once per step, as alone).
   A request leaves the batch when it ends (budget, stop token, cancel); the
-  others go on.
+  others go on. A canvas/block that ends inside a step (a DiffusionGemma
+  canvas ends when its last step or stop flag is read, at the next step) is
+  committed there and the request's next one begins in that same step
+  (``renew``), as alone it follows at once: no request sits out a step.
 * Results: every request draws and commits what it would alone (same seed,
   same commit stream; dlm.runtime.models.rows says how the forwards keep that).
 * Stats per request: its own prompt time, forwards and steps; generation time
@@ -135,18 +138,34 @@ class Batcher:
         for entry in self.active:
             if not entry.member.busy and entry.member.finished is None:
                 entry.member.begin(entry.progress.remaining)
-        self.family.step([e.member for e in self.active])
+        entries = {id(e.member): e for e in self.active}
+
+        def renew(member) -> None:
+            """A canvas/block that ended mid-step: commit it, and begin the next one
+            at once (the family builds it into this step), as alone it follows at once."""
+            entry = entries[id(member)]
+            while self._commit(entry, events):
+                member.begin(entry.progress.remaining)
+
+        self.family.step([e.member for e in self.active], renew)
         for entry in list(self.active):
-            block = entry.member.finished
-            if block is None:
-                continue
-            entry.member.finished = None
-            event = entry.progress.commit(block)
-            if event is not None:
-                events.append((entry, event))
-            if entry.progress.done:
-                self._finish(entry, events)
+            self._commit(entry, events)
         return events
+
+    def _commit(self, entry: Entry, events) -> bool:
+        """Commit the member's ended canvas/block, if any; True when one was and
+        the request goes on (it then begins its next one)."""
+        block = entry.member.finished
+        if block is None:
+            return False
+        entry.member.finished = None
+        event = entry.progress.commit(block)
+        if event is not None:
+            events.append((entry, event))
+        if entry.progress.done:
+            self._finish(entry, events)
+            return False
+        return True
 
     def _admit(self, events) -> None:
         while self.waiting and self.can_admit(self.waiting[0].memory):

@@ -14,14 +14,19 @@ share no interpreter with them). Each client sends ``--requests`` chat
 requests one after the other (a closed loop; every request its own seed, the
 same list for both servers). The servers take turns, never running at once, in
 ``--rounds`` interleaved rounds (serial, batched, serial, ...): a shared
-machine drifts, so each figure is the median over the rounds. The batched
-answers are checked to equal the serial ones, request by request.
+machine drifts, so each figure is the median over the rounds, and
+``paired_ratio_median`` the median of each round's batched/serial ratio (the
+two runs of a round are seconds apart; the steadiest figure on a noisy
+machine). On Linux each server's CPU time a request is reported too (all its
+threads: the work a request costs, whatever else the machine runs). The batched answers are checked to equal the serial ones, request
+by request.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -90,13 +95,26 @@ def load_test(base, clients: int, requests: int, msgs) -> dict:
             "p95_s": percentile(lat, 0.95), "answers": sorted(r[2] for r in res)}
 
 
-def compare(bases: dict, clients_list, requests: int, rounds: int, msgs) -> list[dict]:
+def cpu_seconds(pid: int):
+    """A process's CPU time so far, all its threads (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def compare(bases: dict, clients_list, requests: int, rounds: int, msgs, pids: dict) -> list[dict]:
     rows = []
     for clients in clients_list:
         runs = {name: [] for name in bases}
         for _ in range(rounds):
             for name, base in bases.items():  # interleaved: serial, batched, serial, batched, ...
-                runs[name].append(load_test(base, clients, requests, msgs))
+                before = cpu_seconds(pids[name])
+                run = load_test(base, clients, requests, msgs)
+                if before is not None:  # the server's CPU time a request: steadier than the wall on a shared machine
+                    run["cpu_ms_per_request"] = (cpu_seconds(pids[name]) - before) / (clients * requests) * 1e3
+                runs[name].append(run)
         answers = {name: r[0]["answers"] for name, r in runs.items()}
         assert answers["batched"] == answers["serial"], "batched answers differ from serial ones"
         row = {"clients": clients, "requests": clients * requests}
@@ -105,6 +123,14 @@ def compare(bases: dict, clients_list, requests: int, rounds: int, msgs) -> list
                 row[f"{name}_{key}"] = statistics.median(x[key] for x in r)
         row["throughput_ratio"] = row["batched_tokens_per_s"] / row["serial_tokens_per_s"]
         row["p95_ratio"] = row["batched_p95_s"] / row["serial_p95_s"]
+        # Each round's batched run against the serial run just before it: a shared
+        # machine drifts over minutes, and a pair seconds apart shares most of it.
+        paired = sorted(b["tokens_per_s"] / s["tokens_per_s"] for s, b in zip(runs["serial"], runs["batched"]))
+        row["paired_ratio_median"] = statistics.median(paired)
+        row["paired_ratio_range"] = [paired[0], paired[-1]]
+        if "cpu_ms_per_request" in runs["serial"][0]:
+            for name, r in runs.items():
+                row[f"{name}_cpu_ms_per_request"] = statistics.median(x["cpu_ms_per_request"] for x in r)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -162,7 +188,8 @@ def main() -> None:
     try:
         for base in bases.values():  # warm-up: compile traces for the shapes both will see
             load_test(base, max(clients), 1, msgs)
-        out["compare"] = compare(bases, clients, args.requests, args.rounds, msgs)
+        out["compare"] = compare(bases, clients, args.requests, args.rounds, msgs,
+                                 {name: proc.pid for name, (proc, _) in servers.items()})
         out["cancel"] = {name: cancels(base, args.cancels, msgs) for name, base in bases.items()}
     finally:
         for proc, _ in servers.values():

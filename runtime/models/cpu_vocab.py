@@ -111,20 +111,21 @@ def softcap(x: mx.array, cap: float) -> mx.array:
     return mx.array(out).reshape(x.shape)
 
 
-def score_rows(logits: mx.array, t: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """scores.py's pass over float32 ``logits`` [N, V] at temperature ``t``:
-    (argmax [N] int32, entropy [N], softmax [N, V], Σ exp [N, 1]), with the same
-    formulas (z = proc - max, clamped at float32's lowest so -inf weighs 0)."""
+def score_rows(logits: mx.array, t) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """scores.py's pass over float32 ``logits`` [N, V] at temperature ``t`` (a
+    float, or one per row [N, 1]): (argmax [N] int32, entropy [N], softmax [N, V],
+    Σ exp [N, 1]), with the same formulas (z = proc - max, clamped at float32's
+    lowest so -inf weighs 0)."""
     a = _host(logits)
     rows, vocab = a.shape
     probs = np.empty_like(a)
     argmax = np.empty(rows, dtype=np.int32)
     entropy = np.empty(rows, dtype=np.float32)
     total = np.empty(rows, dtype=np.float32)
-    temp = np.float32(t)
+    temp = np.float32(t) if np.ndim(t) == 0 else np.asarray(t, dtype=np.float32).reshape(rows, 1)
 
     def task(r: slice) -> None:
-        z = np.divide(a[r], temp)
+        z = np.divide(a[r], temp if temp.ndim == 0 else temp[r])
         top = z.argmax(axis=-1)
         argmax[r] = top
         z -= z[np.arange(len(top)), top][:, None]

@@ -184,6 +184,29 @@ def test_early_stops_and_eos_equal_solo(stopping, group_sizes, kind_sizes):
     assert max(kind_sizes) == 5  # the five requests' steps were built as one (build_steps)
 
 
+def test_canvases_at_different_steps_share_a_build(stopping, monkeypatch):
+    """Early stops put the requests' canvases at different steps of the schedule
+    (t_min != t_max: each its own temperature); their steps are still built as
+    one (a temperature per row), and each request gets what it gets alone."""
+    phases = []
+    real = dg_batch.build
+
+    def recording(members, logits):
+        phases.append({m.inputs[3] for m in members})
+        return real(members, logits)
+
+    monkeypatch.setattr(dg_batch, "build", recording)
+    scheduled = dataclasses.replace(stopping, generation_config={**stopping.generation_config,
+                                                                 "t_min": 0.04, "t_max": 0.08})
+    prompts = [list(range(2, 14 + i)) for i in range(4)]
+    options = [{"max_tokens": 40, "max_denoising_steps": 8, "seed": 20 + i} for i in range(4)]
+    want = solo(scheduled, prompts, options)
+    assert all(r[7] for r in want)  # early stops
+    got = [summary(r) for r in api.generate_batch(scheduled, prompts, options)]
+    assert got == want
+    assert max(len(p) for p in phases) >= 3  # one build held canvases at three different steps
+
+
 def test_trained_demo_model_equal_solo(group_sizes):
     """A trained model: the stable-and-confident rule ends canvases early, EOS ends runs."""
     demo = api.load(ROOT / "demo" / "diffusion_gemma_sort")

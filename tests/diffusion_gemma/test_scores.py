@@ -95,3 +95,20 @@ def test_split_over_cpu_streams_is_bitwise_one_stream(monkeypatch):
     one_cap = softcap(x * 5, 30.0)
     assert np.array_equal(np.array(split_cap), np.array(one_cap))
     assert np.allclose(np.array(one_cap), 30 * np.tanh(np.array(x) * 5 / 30), atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["mlx", "numpy"])
+def test_a_temperature_per_sequence_is_each_alone(monkeypatch, path):
+    """A batch's canvases at different steps of the schedule are scored in one
+    pass, a temperature per sequence ([B, 1, 1]); each sequence gets the bits it
+    gets alone at its own temperature, in MLX and through numpy (cpu_vocab.py)."""
+    monkeypatch.setenv("DLM_CPU_VOCAB", path)
+    x = np.concatenate([_logits(seed=s) for s in range(3)])  # [3, 6, 300]
+    temps = [0.8, 0.45, 0.6]
+    together = V.score(mx.array(x), mx.array(np.array(temps, dtype=np.float32).reshape(3, 1, 1)))
+    for i, t in enumerate(temps):
+        alone = V.score(mx.array(x[i : i + 1]), t)
+        for a, b in zip((alone.proc, alone.argmax, alone.entropy, alone.probs, alone.total),
+                        (together.proc, together.argmax, together.entropy, together.probs, together.total)):
+            assert np.array_equal(np.array(a)[0], np.array(b)[i])
+    assert not np.array_equal(np.array(together.probs)[0], np.array(V.score(mx.array(x[:1]), 0.45).probs)[0])

@@ -24,7 +24,7 @@ stopped (they drew nothing: their draws are rewound, as alone).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -118,10 +118,10 @@ class Member:
 
     def kind(self) -> tuple:
         """Members of one kind build their next steps together (build_steps): the
-        same settings, the same step of the schedule, as much history, and draws
-        of one kind."""
+        same settings, as much history, and draws of one kind (their steps of the
+        schedule may differ: one temperature per canvas)."""
         window = self.session.denoise.stability_threshold or 0
-        return (self.settings, self.inputs[3], min(len(self.history), window), type(self.session.draws))
+        return (self.settings, min(len(self.history), window), type(self.session.draws))
 
     @property
     def settings(self) -> str:
@@ -148,17 +148,22 @@ class Batch:
     def member(self, session) -> Member:
         return Member(session)
 
-    def step(self, members: list[Member]) -> None:
+    def step(self, members: list[Member], renew: Optional[Callable[[Member], None]] = None) -> None:
         """One denoising step of every busy member (one decoder forward per canvas
         length), after encoding the canvases that members just committed (one
         encoder forward per canvas length; a member cancelled since still encodes
-        it, as alone: a kept prefix cache holds every committed canvas)."""
-        encode(self.model, [m for m in members if m.encoding is not None])
+        it, as alone: a kept prefix cache holds every committed canvas).
+        ``renew(member)`` (the scheduler's): a canvas that ended in this step (its
+        last step, a stop flag, cancel) is committed and the next one begun, which
+        this step then builds: alone, the next canvas follows at once, so a member
+        never sits out a step between canvases."""
         busy = [m for m in members if m.busy]
         for m in busy:
             m.account()
-        running = [m for m in busy if m.busy and m.step is not None]
-        going = [m for m in busy if m.busy]
+        self._renew([m for m in busy if not m.busy], renew)
+        encode(self.model, [m for m in members if m.encoding is not None])
+        running = [m for m in members if m.busy and m.step is not None]
+        going = [m for m in members if m.busy]
         # A step that reads on the host while it is built (Model.speculates) is
         # built after the stop flags, so a stopped canvas costs no forward.
         speculate = self.model.speculates(max((m.length for m in going), default=0), self.eager)
@@ -171,11 +176,19 @@ class Batch:
             stopped = [m for m, flag in zip(stops, flags) if flag]
             for m in stopped:
                 m.stopped()
+            self._renew(stopped, renew)
+            encode(self.model, [m for m in members if m.encoding is not None])
         if stopped or not speculate:
-            going = [m for m in going if m.busy]
+            going = [m for m in members if m.busy]
             self._build(going)
         if going:  # one evaluation for the whole batch (Metal/CUDA: run while the next step is built)
             mx.async_eval([out for m in going for out in m.launch()])
+
+    @staticmethod
+    def _renew(ended: list[Member], renew) -> None:
+        if renew is not None:
+            for m in ended:
+                renew(m)
 
     def _build(self, members: list[Member]) -> None:
         """The next step of every member: one decoder forward per canvas length,
@@ -198,7 +211,7 @@ def build(members: list[Member], logits: mx.array) -> None:
     canvas = mx.concatenate([m.inputs[0] for m in members]) if len(members) > 1 else first.inputs[0]
     revealed = mx.concatenate([m.inputs[2] for m in members]) if len(members) > 1 else first.inputs[2]
     steps = build_steps(logits, [(m.session.draws, m.history) for m in members], first.session.denoise,
-                        canvas, revealed, first.inputs[3])
+                        canvas, revealed, [m.inputs[3] for m in members])
     for m, step in zip(members, steps):
         m.following = step
 

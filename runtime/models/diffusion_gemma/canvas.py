@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from . import sampling as S
 from . import scores as V
@@ -172,17 +173,18 @@ def _build_step(decode, draws, config: DenoiseConfig, canvas, sc_probs, revealed
                        summarise)[0]
 
 
-def build_steps(logits, members, config: DenoiseConfig, canvas, revealed, cur_step: int,
+def build_steps(logits, members, config: DenoiseConfig, canvas, revealed, cur_step: int | list[int],
                 summarise: bool = False) -> list[_Step]:
-    """The step around ``logits`` [B, L, V] of B canvases that share ``config`` and
-    ``cur_step`` (batched generation merges the requests that do): ``members`` is
-    one (draws, history) per canvas (row), ``canvas`` / ``revealed`` [B, L]. Every
-    op runs row by row and each canvas draws from its own draws in its own order,
-    so a canvas gets the very step it gets alone; returns one _Step per canvas."""
+    """The step around ``logits`` [B, L, V] of B canvases that share ``config``
+    (batched generation merges the requests that do): ``members`` is one (draws,
+    history) per canvas (row), ``canvas`` / ``revealed`` [B, L], ``cur_step`` the
+    step of the schedule, one for all or one per canvas (then only the
+    temperature differs, a divisor per row). Every op runs row by row and each
+    canvas draws from its own draws in its own order, so a canvas gets the very
+    step it gets alone; returns one _Step per canvas."""
     revealed_in = revealed
-    schedule = config.t_min is not None and config.t_max is not None
-    t = S.linear_temperature(cur_step, config.steps, config.t_min, config.t_max) if schedule else 1.0
-    scores = V.score(logits, mx.array(t, dtype=mx.float32))  # x / 1.0 == x
+    t = _temperature(config, cur_step)
+    scores = V.score(logits, t)
     proc, argmax, entropy = scores.proc, scores.argmax, scores.entropy
     row = canvas.shape if len(members) == 1 else (1,) + canvas.shape[1:]  # one member's rows
     uniforms, noises = [], []
@@ -216,6 +218,18 @@ def build_steps(logits, members, config: DenoiseConfig, canvas, revealed, cur_st
         return [step]
     return [_Step(logits[i : i + 1], argmax[i : i + 1], canvas[i : i + 1], revealed[i : i + 1], sc[i : i + 1],
                   _flag(stop, i), keep[i : i + 1]) for i in range(len(members))]
+
+
+def _temperature(config: DenoiseConfig, cur_step: int | list[int]) -> mx.array:
+    """The schedule's temperature at ``cur_step``: a scalar, or [B, 1, 1] for
+    canvases at different steps (x / 1.0 == x without a schedule)."""
+    if config.t_min is None or config.t_max is None:
+        return mx.array(1.0, dtype=mx.float32)
+    steps = cur_step if isinstance(cur_step, list) else [cur_step]
+    temps = [S.linear_temperature(c, config.steps, config.t_min, config.t_max) for c in steps]
+    if len(set(temps)) == 1:
+        return mx.array(temps[0], dtype=mx.float32)
+    return mx.array(np.array(temps, dtype=np.float32).reshape(-1, 1, 1))
 
 
 def _rows(arrays: list[mx.array]) -> mx.array:

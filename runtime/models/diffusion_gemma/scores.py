@@ -46,7 +46,7 @@ PIECE_BYTES = 32 << 20
 @dataclass
 class Scores:
     logits: mx.array  # [..., L, V] float32
-    t: mx.array  # the step's temperature
+    t: mx.array  # the step's temperature (a scalar, or [B, 1, 1]: one per sequence)
     argmax: mx.array  # [..., L] int32, of proc
     entropy: mx.array  # [..., L] float32
     probs: mx.array  # [..., L, V] softmax(proc), float32
@@ -79,14 +79,22 @@ def _score_rows(logits: mx.array, t: mx.array):
 
 def score(logits: mx.array, t) -> Scores:
     """The step's scores of float32 ``logits`` [..., V] at temperature ``t`` (lazy;
-    evaluated through numpy at scale on the CPU backend, cpu_vocab.py)."""
+    evaluated through numpy at scale on the CPU backend, cpu_vocab.py): a scalar,
+    or one per sequence ([B, 1, 1] for [B, L, V]; each row divides by its own,
+    the same division as alone)."""
     t = t if isinstance(t, mx.array) else mx.array(t, dtype=mx.float32)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
+    rows = logits.reshape(-1, vocab)
+    if t.ndim:  # one temperature per sequence (a batch's canvases at different steps): one per row
+        per_row = mx.broadcast_to(t, (*lead, 1)).reshape(-1, 1)
+        if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
+            argmax, entropy, probs, total = cpu_vocab.score_rows(logits, np.array(per_row))
+        else:
+            argmax, entropy, probs, total = split_rows(_score_rows, rows, per_row, piece_bytes=PIECE_BYTES)
+    elif cpu_vocab.wanted(logits):
         argmax, entropy, probs, total = cpu_vocab.score_rows(logits, t.item())
     else:
-        argmax, entropy, probs, total = split_rows(lambda rows: _score_rows(rows, t), logits.reshape(-1, vocab),
-                                                   piece_bytes=PIECE_BYTES)
+        argmax, entropy, probs, total = split_rows(lambda r: _score_rows(r, t), rows, piece_bytes=PIECE_BYTES)
     return Scores(logits, t, argmax.reshape(lead), entropy.reshape(lead), probs.reshape(*lead, vocab),
                   total.reshape(*lead, 1))
 

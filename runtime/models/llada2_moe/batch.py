@@ -294,8 +294,10 @@ class Batch:
     def member(self, session) -> Member:
         return Member(session)
 
-    def step(self, members: list[Member]) -> None:
-        """One forward of every busy member (and the work and host reads around it)."""
+    def step(self, members: list[Member], renew=None) -> None:
+        """One forward of every busy member (and the work and host reads around it).
+        A block ends with the step's last host read, so the next one begins with
+        the next step's forward (the scheduler's ``renew`` is not needed)."""
         self._settle(members)
         waiting = [m for m in members if isinstance(m.request, Forward)]
         for m, logits in zip(waiting, self._forward(waiting)):
