@@ -338,3 +338,18 @@ def test_the_memory_budget_bounds_the_batch(loaded, group_sizes):
     got = api.generate_batch(loaded, prompts, options, memory_budget=2.5 * each / 1e9)
     assert [summary(r) for r in got] == want
     assert max(group_sizes) == 2
+
+
+def test_no_step_is_sat_out_between_canvases(loaded):
+    """The next canvas is built in the very step whose read ends the last one
+    (Batcher renew), as alone it follows at once: a request's steps are its
+    forwards plus the one that reads its last canvas."""
+    batcher = Batcher(loaded)
+    batcher.add(SHORT, {"max_tokens": 24, "max_denoising_steps": 4, "seed": 1, "diffusion_max_canvas_length": 8})
+    steps, events = 0, []
+    while not batcher.idle:
+        events += batcher.step()
+        steps += 1
+    stats = events[-1][1].stats
+    assert len(stats.steps_per_block) == 3 and stats.forwards == sum(stats.steps_per_block)
+    assert steps == stats.forwards + 1
