@@ -8,6 +8,13 @@ definition in the global scope. ``dlm.runtime`` does this on import, so every
 dlm command and the Python API get it; nothing changes on macOS (Accelerate),
 or when MLX was imported first.
 
+OpenBLAS's idle worker threads spin for ``2^OPENBLAS_THREAD_TIMEOUT`` cycles
+(default 2^28, ~0.1 s) after each threaded call, burning a core that MLX's own
+threads and the server want; dlm sets the timeout to ``THREAD_TIMEOUT`` (2^20,
+~0.3 ms: back-to-back GEMMs of a forward still find them awake) unless the
+environment sets one. Measured in README "The server's socket, and the step
+between canvases".
+
 ``DLM_BLAS``: unset = the first library found of ``CANDIDATES``; a path = that
 library; ``reference`` = leave MLX's own BLAS. ``scripts/setup.sh`` installs
 Debian's OpenBLAS where it can; otherwise the commands say in one line what to
@@ -23,6 +30,8 @@ import platform
 import sys
 from pathlib import Path
 from typing import Optional
+
+THREAD_TIMEOUT = 20  # OpenBLAS's idle spin before its threads sleep: 2^20 cycles
 
 CANDIDATES = (
     "/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0",  # Debian / Ubuntu libopenblas0-pthread
@@ -76,6 +85,8 @@ def use_optimized_blas() -> str:
     if path is None:
         STATUS, _MISSING = "reference", _vendors_reference_blas()
         return STATUS
+    if "openblas" in Path(path).name.lower():  # read once, when the library starts its threads
+        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(THREAD_TIMEOUT))
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
