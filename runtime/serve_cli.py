@@ -143,8 +143,8 @@ def bind(host: str, port: int) -> socket.socket:
 
     The protocol is named (IPPROTO_TCP, not 0): asyncio sets TCP_NODELAY only on
     connections whose socket says TCP, and without it Nagle's algorithm holds a
-    response's second write until the client's delayed ACK, ~40 ms per response
-    and per streamed chunk on Linux (scripts/bench_serve.py measured it)."""
+    response's second write until the client's delayed ACK: ~40 ms per response
+    on Linux (README, "The server's socket, and the step between canvases")."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
