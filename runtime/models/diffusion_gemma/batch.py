@@ -148,7 +148,7 @@ class Batch:
     def member(self, session) -> Member:
         return Member(session)
 
-    def step(self, members: list[Member], renew: Optional[Callable[[Member], None]] = None) -> None:
+    def step(self, members: list[Member], renew: Callable[[Member], None]) -> None:
         """One denoising step of every busy member (one decoder forward per canvas
         length), after encoding the canvases that members just committed (one
         encoder forward per canvas length; a member cancelled since still encodes
@@ -160,7 +160,8 @@ class Batch:
         busy = [m for m in members if m.busy]
         for m in busy:
             m.account()
-        self._renew([m for m in busy if not m.busy], renew)
+            if not m.busy:  # its canvas ended (last step, cancel)
+                renew(m)
         encode(self.model, [m for m in members if m.encoding is not None])
         running = [m for m in members if m.busy and m.step is not None]
         going = [m for m in members if m.busy]
@@ -176,19 +177,13 @@ class Batch:
             stopped = [m for m, flag in zip(stops, flags) if flag]
             for m in stopped:
                 m.stopped()
-            self._renew(stopped, renew)
+                renew(m)
             encode(self.model, [m for m in members if m.encoding is not None])
         if stopped or not speculate:
             going = [m for m in members if m.busy]
             self._build(going)
         if going:  # one evaluation for the whole batch (Metal/CUDA: run while the next step is built)
             mx.async_eval([out for m in going for out in m.launch()])
-
-    @staticmethod
-    def _renew(ended: list[Member], renew) -> None:
-        if renew is not None:
-            for m in ended:
-                renew(m)
 
     def _build(self, members: list[Member]) -> None:
         """The next step of every member: one decoder forward per canvas length,

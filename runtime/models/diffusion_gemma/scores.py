@@ -85,16 +85,15 @@ def score(logits: mx.array, t) -> Scores:
     t = t if isinstance(t, mx.array) else mx.array(t, dtype=mx.float32)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     rows = logits.reshape(-1, vocab)
-    if t.ndim:  # one temperature per sequence (a batch's canvases at different steps): one per row
-        per_row = mx.broadcast_to(t, (*lead, 1)).reshape(-1, 1)
-        if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
-            argmax, entropy, probs, total = cpu_vocab.score_rows(logits, np.array(per_row))
-        else:
-            argmax, entropy, probs, total = split_rows(_score_rows, rows, per_row, piece_bytes=PIECE_BYTES)
-    elif cpu_vocab.wanted(logits):
-        argmax, entropy, probs, total = cpu_vocab.score_rows(logits, t.item())
-    else:
+    # One temperature per sequence (a batch's canvases at different steps): one per row.
+    per_row = mx.broadcast_to(t, (*lead, 1)).reshape(-1, 1) if t.ndim else None
+    if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
+        argmax, entropy, probs, total = cpu_vocab.score_rows(logits, t.item() if per_row is None
+                                                             else np.array(per_row))
+    elif per_row is None:
         argmax, entropy, probs, total = split_rows(lambda r: _score_rows(r, t), rows, piece_bytes=PIECE_BYTES)
+    else:
+        argmax, entropy, probs, total = split_rows(_score_rows, rows, per_row, piece_bytes=PIECE_BYTES)
     return Scores(logits, t, argmax.reshape(lead), entropy.reshape(lead), probs.reshape(*lead, vocab),
                   total.reshape(*lead, 1))
 

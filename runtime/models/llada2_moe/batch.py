@@ -294,7 +294,7 @@ class Batch:
     def member(self, session) -> Member:
         return Member(session)
 
-    def step(self, members: list[Member], renew=None) -> None:
+    def step(self, members: list[Member], renew) -> None:
         """One forward of every busy member (and the work and host reads around it).
         A block ends with the step's last host read, so the next one begins with
         the next step's forward (the scheduler's ``renew`` is not needed)."""
