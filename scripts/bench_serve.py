@@ -1,7 +1,8 @@
 """Benchmark dlm-run serve on loopback: batched (--max-batch N) against serial
 (--max-batch 1) serving of the same model and the same requests at 1, 2, 4 and
-8 concurrent clients (aggregate committed tokens/s, p50/p95 latency), and the
-time a server takes to free itself after a client hangs up mid-stream.
+8 concurrent clients (aggregate committed tokens/s, p50/p95 latency), mlx-vlm's
+server beside them where it runs, and the time a server takes to free itself
+after a client hangs up mid-stream.
 
 Run from the repository root, as a module (it shares code with tests/):
 
@@ -18,8 +19,23 @@ machine drifts, so each figure is the median over the rounds, and
 ``paired_ratio_median`` the median of each round's batched/serial ratio (the
 two runs of a round are seconds apart; the steadiest figure on a noisy
 machine). On Linux each server's CPU time a request is reported too (all its
-threads: the work a request costs, whatever else the machine runs). The batched answers are checked to equal the serial ones, request
-by request.
+threads: the work a request costs, whatever else the machine runs), and the
+share of the machine's CPU time that the hypervisor gave other guests during
+the runs (``steal_range``: it stretches wall times, not CPU times). The batched
+answers are checked to equal the serial ones, request by request.
+
+mlx-vlm's server (``--peer``, default .peer/: mlx-vlm 0.7.10 and the two
+modules its server imports, installed apart as the README's Benchmarks say)
+serves the same model directory in a process of its own, with dlm's optimized
+BLAS loaded first as in the other benchmarks, and takes its turn in every
+round. It runs diffusion requests one at a time. Every request names its
+length and steps in the body (``max_tokens``, ``max_denoising_steps``,
+LLaDA-2's ``block_length``, and dlm's default temperature: 1 for DiffusionGemma,
+0 for LLaDA-2), so each server does the same work per step; its answers differ (its own draws and stop rules), so each server's
+completion tokens a request and requests/s are reported too (where one tool
+stops at a stop token and the other does not, requests/s compares the same
+blocks of work). mlx-vlm loads DiffusionGemma only
+with its vision tower, so ``--tiny`` converts the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -58,12 +75,54 @@ def start(model: Path, max_batch: int, args, log: Path) -> tuple[subprocess.Pope
     raise RuntimeError(f"dlm-run serve did not start: {log.read_text()[-2000:]}")
 
 
+# mlx-vlm's server in a process of its own: dlm's BLAS first (scripts/peer.py), then
+# mlx-vlm from the peer directory; argv: peer directory, model, port.
+PEER_SERVER = """import sys
+import dlm.runtime
+peer, model, port = sys.argv[1:4]
+sys.path.append(peer)
+from mlx_vlm.server.cli import main
+sys.argv = ["mlx_vlm.server", "--model", model, "--host", "127.0.0.1", "--port", port]
+main()
+"""
+
+
+def peer_missing(peer: str):
+    """Why mlx-vlm's server cannot start from ``peer`` (None when it can)."""
+    probe = "import sys, dlm.runtime; sys.path.append(sys.argv[1]); import mlx_vlm.server.app"
+    r = subprocess.run([sys.executable, "-c", probe, peer], capture_output=True, text=True)
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_peer(model: Path, peer: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """mlx-vlm's server on ``model``; (process, base URL)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", PEER_SERVER, peer, str(model), str(port)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = log.read_text()
+        if "Application startup failed" in text:
+            break
+        if "Uvicorn running on" in text:
+            return proc, f"http://127.0.0.1:{port}"
+        time.sleep(0.05)
+    proc.terminate()
+    raise RuntimeError(f"mlx-vlm's server did not start: {log.read_text()[-2000:]}")
+
+
 def tiny_model(root: Path, family: str) -> Path:
     if family == "llada2":
         build_llada2(root / "hf", "base")
     else:
         build_diffusion_gemma(root / "hf", form="hub")
-    return convert_dir(root / "hf", root / "tiny", text_only=family != "llada2")
+    return convert_dir(root / "hf", root / "tiny")
 
 
 def percentile(values, q):
@@ -71,7 +130,7 @@ def percentile(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def load_test(base, clients: int, requests: int, msgs) -> dict:
+def load_test(base, clients: int, requests: int, request: dict) -> dict:
     """``clients`` closed-loop clients, ``requests`` each: wall, tokens, latencies, answers."""
 
     def client(c):
@@ -79,7 +138,7 @@ def load_test(base, clients: int, requests: int, msgs) -> dict:
         with httpx.Client(base_url=base, timeout=600) as h:
             for k in range(requests):
                 t = time.perf_counter()
-                r = h.post("/v1/chat/completions", json={"messages": msgs, "seed": c * 1000 + k})
+                r = h.post("/v1/chat/completions", json={**request, "seed": c * 1000 + k})
                 r.raise_for_status()
                 body = r.json()
                 out.append((time.perf_counter() - t, body["usage"]["completion_tokens"],
@@ -92,7 +151,9 @@ def load_test(base, clients: int, requests: int, msgs) -> dict:
     wall = time.perf_counter() - t0
     lat = [r[0] for r in res]
     return {"tokens_per_s": sum(r[1] for r in res) / wall, "p50_s": percentile(lat, 0.5),
-            "p95_s": percentile(lat, 0.95), "answers": sorted(r[2] for r in res)}
+            "p95_s": percentile(lat, 0.95), "requests_per_s": len(res) / wall,
+            "tokens_per_request": sum(r[1] for r in res) / len(res),
+            "answers": sorted(r[2] for r in res)}
 
 
 def cpu_seconds(pid: int):
@@ -104,24 +165,40 @@ def cpu_seconds(pid: int):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def compare(bases: dict, clients_list, requests: int, rounds: int, msgs, pids: dict) -> list[dict]:
+def steal_ticks():
+    """(stolen, all) CPU ticks of the machine so far (Linux /proc/stat; None elsewhere): on a
+    shared virtual machine the hypervisor's steal stretches wall times, not CPU times."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
+
+
+def compare(bases: dict, clients_list, requests: int, rounds: int, body: dict, pids: dict) -> list[dict]:
     rows = []
     for clients in clients_list:
         runs = {name: [] for name in bases}
         for _ in range(rounds):
-            for name, base in bases.items():  # interleaved: serial, batched, serial, batched, ...
-                before = cpu_seconds(pids[name])
-                run = load_test(base, clients, requests, msgs)
+            for name, base in bases.items():  # interleaved: serial, batched, (mlx-vlm,) serial, ...
+                before, ticks = cpu_seconds(pids[name]), steal_ticks()
+                run = load_test(base, clients, requests, body)
                 if before is not None:  # the server's CPU time a request: steadier than the wall on a shared machine
                     run["cpu_ms_per_request"] = (cpu_seconds(pids[name]) - before) / (clients * requests) * 1e3
+                if ticks is not None:
+                    after = steal_ticks()
+                    run["steal"] = (after[0] - ticks[0]) / max(after[1] - ticks[1], 1)
                 runs[name].append(run)
         answers = {name: r[0]["answers"] for name, r in runs.items()}
         assert answers["batched"] == answers["serial"], "batched answers differ from serial ones"
         row = {"clients": clients, "requests": clients * requests}
         for name, r in runs.items():
-            for key in ("tokens_per_s", "p50_s", "p95_s"):
+            for key in ("tokens_per_s", "p50_s", "p95_s", "requests_per_s", "tokens_per_request"):
                 row[f"{name}_{key}"] = statistics.median(x[key] for x in r)
         row["throughput_ratio"] = row["batched_tokens_per_s"] / row["serial_tokens_per_s"]
+        if "mlx-vlm" in runs:  # its stop rules differ: requests/s where the tools return different lengths
+            row["batched_vs_mlx_vlm"] = row["batched_tokens_per_s"] / row["mlx-vlm_tokens_per_s"]
+            row["batched_vs_mlx_vlm_requests"] = row["batched_requests_per_s"] / row["mlx-vlm_requests_per_s"]
         row["p95_ratio"] = row["batched_p95_s"] / row["serial_p95_s"]
         # Each round's batched run against the serial run just before it: a shared
         # machine drifts over minutes, and a pair seconds apart shares most of it.
@@ -131,6 +208,9 @@ def compare(bases: dict, clients_list, requests: int, rounds: int, msgs, pids: d
         if "cpu_ms_per_request" in runs["serial"][0]:
             for name, r in runs.items():
                 row[f"{name}_cpu_ms_per_request"] = statistics.median(x["cpu_ms_per_request"] for x in r)
+        if "steal" in runs["serial"][0]:  # the machine's CPU time taken by other guests while these ran
+            row["steal_range"] = [min(x["steal"] for r in runs.values() for x in r),
+                                  max(x["steal"] for r in runs.values() for x in r)]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -166,6 +246,7 @@ def main() -> None:
                    help="the family of --tiny")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=8, help="max_denoising_steps")
+    p.add_argument("--block-length", type=int, default=32, help="LLaDA-2's block_length")
     p.add_argument("--clients", default="1,2,4,8", help="concurrent clients to compare at")
     p.add_argument("--requests", type=int, default=4, help="requests per client")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
@@ -173,6 +254,8 @@ def main() -> None:
     p.add_argument("--queue-size", type=int, default=16)
     p.add_argument("--cancels", type=int, default=3, help="streams hung up after the first commit")
     p.add_argument("--json", dest="json_out", help="also write the results here")
+    p.add_argument("--peer", default=str(Path(__file__).resolve().parent.parent / ".peer"),
+                   help="where mlx-vlm is installed ('' to leave its server out)")
     args = p.parse_args()
     if not args.model and not args.tiny:
         p.error("give --model DIR or --tiny")
@@ -181,16 +264,30 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp())
     servers = {"serial": start(model, 1, args, logs / "serial.log"),
                "batched": start(model, args.max_batch, args, logs / "batched.log")}
+    missing = peer_missing(args.peer) if args.peer else "--peer ''"
+    if missing is None:
+        try:
+            servers["mlx-vlm"] = start_peer(model, args.peer, logs / "mlx-vlm.log")
+        except RuntimeError as exc:
+            missing = str(exc).splitlines()[-1]
+    if missing is not None:
+        print(f"mlx-vlm's server left out ({missing})", file=sys.stderr)
     bases = {name: base for name, (_, base) in servers.items()}
     msgs = [{"role": "user", "content": "Explain why the sky is blue in two sentences."}]
+    llada = json.loads((model / "config.json").read_text())["model_type"] == "llada2_moe"
+    # dlm's defaults named in every request (mlx-vlm's temperature defaults to 0): the same work on all servers.
+    body = {"model": str(model), "messages": msgs, "max_tokens": args.max_tokens, "max_denoising_steps": args.steps,
+            **({"block_length": args.block_length, "temperature": 0.0} if llada else {"temperature": 1.0})}
     out: dict = {"model": str(model), "max_tokens": args.max_tokens, "max_denoising_steps": args.steps,
-                 "max_batch": args.max_batch, "requests_per_client": args.requests, "rounds": args.rounds}
+                 **({"block_length": args.block_length} if llada else {}), "max_batch": args.max_batch,
+                 "requests_per_client": args.requests, "rounds": args.rounds, "mlx_vlm_server": missing or "run"}
     try:
-        for base in bases.values():  # warm-up: compile traces for the shapes both will see
-            load_test(base, max(clients), 1, msgs)
-        out["compare"] = compare(bases, clients, args.requests, args.rounds, msgs,
+        for base in bases.values():  # warm-up: compile traces for the shapes all will see
+            load_test(base, max(clients), 1, body)
+        out["compare"] = compare(bases, clients, args.requests, args.rounds, body,
                                  {name: proc.pid for name, (proc, _) in servers.items()})
-        out["cancel"] = {name: cancels(base, args.cancels, msgs) for name, base in bases.items()}
+        out["cancel"] = {name: cancels(base, args.cancels, msgs) for name, base in bases.items()
+                         if name != "mlx-vlm"}
     finally:
         for proc, _ in servers.values():
             proc.terminate()

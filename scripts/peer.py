@@ -1,6 +1,7 @@
 """mlx-vlm, the peer the benchmarks compare with: installed outside the
-environment (``pip install --no-deps --target .peer mlx-vlm==0.7.10 ...``, see
-README "Benchmarks") so dlm's own dependencies stay as pinned."""
+environment (``pip install --no-deps --target .peer mlx-vlm==0.7.10 ...``, and
+for its server mlx-audio and cryptography: README "Benchmarks") so dlm's own
+dependencies stay as pinned."""
 
 from __future__ import annotations
 
