@@ -30,12 +30,13 @@ serves the same model directory in a process of its own, with dlm's optimized
 BLAS loaded first as in the other benchmarks, and takes its turn in every
 round. It runs diffusion requests one at a time. Every request names its
 length and steps in the body (``max_tokens``, ``max_denoising_steps``,
-LLaDA-2's ``block_length``, and dlm's default temperature: 1 for DiffusionGemma,
-0 for LLaDA-2), so each server does the same work per step; its answers differ (its own draws and stop rules), so each server's
-completion tokens a request and requests/s are reported too (where one tool
+LLaDA-2's ``block_length``, and dlm's default temperature: 1 for
+DiffusionGemma, 0 for LLaDA-2), so each server does the same work per step.
+Its answers differ (its own draws and stop rules), so each server's
+completion tokens a request and requests/s are reported too: where one tool
 stops at a stop token and the other does not, requests/s compares the same
-blocks of work). mlx-vlm loads DiffusionGemma only
-with its vision tower, so ``--tiny`` converts the whole checkpoint.
+blocks of work. mlx-vlm loads DiffusionGemma only with its vision tower, so
+``--tiny`` converts the whole checkpoint.
 """
 
 from __future__ import annotations
