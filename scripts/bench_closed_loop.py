@@ -5,7 +5,11 @@ scripts/bench_serve.py's do over HTTP) on one Batcher, against one client
 
     .venv/bin/python -m scripts.bench_closed_loop --model path/to/mlx-model [--clients 4]
 
-Prints the milliseconds per request of each, and the scheduler's steps by what
+``--stagger N`` starts the clients N steps apart: a server's clients drift
+apart (their requests arrive and end at different steps), where clients that
+start together with the same request stay in lockstep.
+
+Prints the milliseconds per request of each (wall and the process's CPU time), and the scheduler's steps by what
 else they did: admitted requests (and the milliseconds of their prefills) and
 canvases/blocks begun (a DiffusionGemma canvas begins with the re-encoding of
 the one committed before it). The same chat request as bench_serve.py, every request its own seed.
@@ -17,6 +21,7 @@ import argparse
 import collections
 import itertools
 import json
+import resource
 import statistics
 import time
 
@@ -52,14 +57,24 @@ class Counted:
         member.begin, Batcher._admit, session.prefill = counted_begin, counted_admit, timed_prefill
 
 
-def closed_loop(loaded, ids, options, clients: int, total: int, counted: Counted, steps: dict) -> float:
-    """ms per request of ``total`` requests from ``clients`` closed-loop clients;
-    each step's (ms, prefill ms) goes to ``steps[(admitted, begun)]``."""
-    batcher, seeds, done = Batcher(loaded, max_batch=max(clients, 1)), itertools.count(), 0
-    for _ in range(clients):
-        batcher.add(ids, {**options, "seed": next(seeds)})
-    start = time.perf_counter()
+def cpu_seconds() -> float:
+    """This process's CPU time so far, all its threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def closed_loop(loaded, ids, options, clients: int, total: int, counted: Counted, steps: dict,
+                stagger: int = 0) -> tuple[float, float]:
+    """(wall ms, CPU ms) per request of ``total`` requests from ``clients``
+    closed-loop clients, the k-th of which starts ``k * stagger`` steps after the
+    first; each step's (ms, prefill ms) goes to ``steps[(admitted, begun)]``."""
+    batcher, seeds, done, started, n = Batcher(loaded, max_batch=max(clients, 1)), itertools.count(), 0, 0, 0
+    start, cpu = time.perf_counter(), cpu_seconds()
     while done < total:
+        while started < clients and n >= started * stagger:
+            batcher.add(ids, {**options, "seed": next(seeds)})
+            started += 1
+        n += 1
         counted.now.clear()
         t = time.perf_counter()
         events = batcher.step()
@@ -68,9 +83,9 @@ def closed_loop(loaded, ids, options, clients: int, total: int, counted: Counted
         for entry, event in events:
             if entry.final is event:
                 done += 1
-                if done + len(batcher.active) + len(batcher.waiting) < total:
+                if done + len(batcher.active) + len(batcher.waiting) + clients - started < total:
                     batcher.add(ids, {**options, "seed": next(seeds)})
-    return (time.perf_counter() - start) / total * 1e3
+    return (time.perf_counter() - start) / total * 1e3, (cpu_seconds() - cpu) / total * 1e3
 
 
 def main() -> None:
@@ -80,31 +95,35 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per run")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--steps", type=int, default=8, help="DiffusionGemma's max_denoising_steps")
+    p.add_argument("--steps", type=int, default=8, help="max_denoising_steps (a canvas's, or a LLaDA-2 block's)")
     p.add_argument("--block-length", type=int, default=8, help="LLaDA-2's block length")
+    p.add_argument("--stagger", type=int, default=0,
+                   help="steps between the clients' first requests (0: all at once, in lockstep)")
     args = p.parse_args()
     loaded = api.load(args.model)
     ids = api.encode_prompt(loaded, messages=MESSAGES)
     llada = loaded.family.name == "llada2_moe"
-    options = {"max_tokens": args.max_tokens,
-               **({"block_length": args.block_length} if llada else {"max_denoising_steps": args.steps})}
+    options = {"max_tokens": args.max_tokens, "max_denoising_steps": args.steps,
+               **({"block_length": args.block_length} if llada else {})}
     counted = Counted(loaded)
     closed_loop(loaded, ids, options, args.clients, args.clients, counted, collections.defaultdict(list))  # warm-up
     runs = {1: [], args.clients: []}
     steps = {n: collections.defaultdict(list) for n in runs}
     for _ in range(args.rounds):
         for n in runs:
-            runs[n].append(closed_loop(loaded, ids, options, n, args.requests, counted, steps[n]))
+            runs[n].append(closed_loop(loaded, ids, options, n, args.requests, counted, steps[n], args.stagger))
     for n, times in runs.items():
-        print(json.dumps({"clients": n, "ms_per_request": round(statistics.median(times), 1),
-                          "rounds": [round(x) for x in times]}))
+        print(json.dumps({"clients": n, "ms_per_request": round(statistics.median(w for w, _ in times), 1),
+                          "cpu_ms_per_request": round(statistics.median(c for _, c in times), 1),
+                          "rounds": [round(w) for w, _ in times]}))
         for (admitted, begun), timed in sorted(steps[n].items()):
             row = {"clients": n, "admitted": admitted, "begun": begun, "steps": len(timed),
                    "median_ms": round(statistics.median(ms for ms, _ in timed), 1)}
             if admitted:
                 row["prefill_median_ms"] = round(statistics.median(p for _, p in timed), 1)
             print(json.dumps(row))
-    print(json.dumps({"ratio": round(statistics.median(runs[1]) / statistics.median(runs[args.clients]), 2)}))
+    wall, cpu = ({n: statistics.median(x[i] for x in r) for n, r in runs.items()} for i in (0, 1))
+    print(json.dumps({"ratio": round(wall[1] / wall[args.clients], 2), "cpu_ratio": round(cpu[1] / cpu[args.clients], 2)}))
 
 
 if __name__ == "__main__":
