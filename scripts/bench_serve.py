@@ -115,7 +115,9 @@ def start_peer(model: Path, peer: str, log: Path) -> tuple[subprocess.Popen, str
             return proc, f"http://127.0.0.1:{port}"
         time.sleep(0.05)
     proc.terminate()
-    raise RuntimeError(f"mlx-vlm's server did not start: {log.read_text()[-2000:]}")
+    # Its own logger's first error names the cause (a text-only DiffusionGemma: "Missing ... parameters").
+    errors = [line.split(" - ERROR - ", 1)[1] for line in log.read_text().splitlines() if " - ERROR - " in line]
+    raise RuntimeError(f"mlx-vlm's server did not start ({log}): {errors[0] if errors else log.read_text()[-500:]}")
 
 
 def tiny_model(root: Path, family: str) -> Path:
@@ -270,7 +272,7 @@ def main() -> None:
         try:
             servers["mlx-vlm"] = start_peer(model, args.peer, logs / "mlx-vlm.log")
         except RuntimeError as exc:
-            missing = str(exc).splitlines()[-1]
+            missing = str(exc).splitlines()[0]
     if missing is not None:
         print(f"mlx-vlm's server left out ({missing})", file=sys.stderr)
     bases = {name: base for name, (_, base) in servers.items()}
