@@ -4,12 +4,14 @@ plan, quantization classes and sanitize."""
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
 
 from dlm.runtime.errors import ConfigError, WeightError
 from dlm.runtime.models import llada2_moe as L
+from dlm.runtime.models import quantized, switch
 from dlm.runtime.models.llada2_moe.model import Gate
 from dlm.verify.llada2_moe import torch_model as R
 from tests.builders import LLADA2_GEOMETRIES, build_llada2, build_llada2_model, llada2_hub_config
@@ -73,6 +75,47 @@ def test_logits_block_causal_and_cached_match_reference(pair):
     moved = np.array(model(mx.array(other), mask=L.block_causal_mask(0, 40, 0, bl)))
     assert np.abs(moved[:, :32] - full[:, :32]).max() == 0
     assert np.abs(moved[:, 32:] - full[:, 32:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("eager_experts", [False, True], ids=["fused", "around-eager-experts"])
+def test_compiled_window_matches_eager_and_reference(tmp_path, monkeypatch, eager_experts):
+    """The denoising window through the layers' compiled pieces (a block's first
+    step: the finished block and the next, over a cached prefix), whole or around
+    experts that run eagerly (CPU-grouped), against the eager layers and the reference."""
+    if eager_experts:
+        monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
+        monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
+    ref = build_llada2(tmp_path, "base")
+    model, _ = mlx_model_from_hub(tmp_path)
+    ids, bl = _ids(48, 5), 16
+    want = ref(torch.tensor(ids), R.block_causal_mask(48, bl)).numpy()
+    cache = model.make_cache(64)
+    model(mx.array(ids[:, :16]), cache, L.block_causal_mask(0, 16, 0, bl), last=1)
+    for c in cache:
+        c.commit(16)
+    window, mask = mx.array(ids[:, 16:]), L.block_causal_mask(16, 32, 16, bl)
+    eager = np.array(model(window, cache, mask))  # rewrites the same uncommitted positions
+    assert all(layer._compiled is None for layer in model.layers)
+    fused = np.array(model(window, cache, mask, compiled=True))
+    pieces = [layer._compiled for layer in model.layers]  # made by that call
+    assert all(pieces)
+    moe = [isinstance(p[1], tuple) for p, layer in zip(pieces, model.layers) if isinstance(layer.mlp, L.model.SparseMoe)]
+    assert moe and all(m == eager_experts for m in moe)
+    assert np.abs(fused - eager).max() < 1e-5
+    assert np.abs(fused - want[:, 16:]).max() < 1e-4
+
+
+def test_compile_off_and_quantized_cpu_layers_run_eagerly(tmp_path, monkeypatch):
+    build_llada2(tmp_path, "base")
+    monkeypatch.setenv("DLM_COMPILE", "0")
+    model, _ = mlx_model_from_hub(tmp_path)
+    model(mx.array(_ids(16)), model.make_cache(16), compiled=True)
+    assert all(layer._compiled is None for layer in model.layers)  # never asked for
+    # A quantized linear dequantized per call (the CPU loader's choice when float
+    # weights do not fit) runs eagerly: its slices go over the CPU streams.
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    assert quantized.mark(model) > 0
+    assert all(layer.compiled() is None for layer in model.layers)
 
 
 def test_router_matches_reference_group_limited():

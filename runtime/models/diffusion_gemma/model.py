@@ -7,7 +7,6 @@ converted directory loads with ``Model.load_weights`` as it is.
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
@@ -15,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import cpu_vocab
+from ..base import compile_enabled
 from ..cpu_streams import split_positions, splits
 from ..quantized import embedding_matmul, per_call, wants
 from ..rows import as_linear, matmul
@@ -226,7 +226,7 @@ class Model(nn.Module):
         self.args = args
         self.model = Backbone(args)
         # Fuse each decoder layer's fixed-shape parts with mx.compile (DLM_COMPILE=0: off).
-        self.compile = os.environ.get("DLM_COMPILE", "1") != "0"
+        self.compile = compile_enabled()
 
     @property
     def layers(self):

@@ -273,7 +273,7 @@ def run_alone(member: Member, remaining: int) -> Block:
     while member.busy:
         request = member.request
         if isinstance(request, Forward):
-            logits = s.model(request.ids[None], s.cache, request.mask, last=s.bl)
+            logits = s.model(request.ids[None], s.cache, request.mask, last=s.bl, compiled=s.cache is not None)
             member.forwarded()
             member.resume(logits[0])
         elif isinstance(request, Reveal):
@@ -340,7 +340,7 @@ class Batch:
             bl = sessions[0].bl
             if len(idx) == 1:  # alone: exactly the solo call
                 s, r = sessions[0], reqs[0]
-                logits = self.model(r.ids[None], s.cache, r.mask, last=bl)
+                logits = self.model(r.ids[None], s.cache, r.mask, last=bl, compiled=s.cache is not None)
             else:
                 logits = forward(self.model, mx.stack([r.ids for r in reqs]), [s.cache for s in sessions],
                                  [r.mask for r in reqs], bl)
@@ -351,9 +351,9 @@ class Batch:
 
 def forward(model, ids: mx.array, caches: list[list], masks: list, last: int) -> mx.array:
     """Model.__call__ for B equal-length windows [B, L], each on its own cache
-    under its own mask: float32 logits [B, last, V]."""
+    under its own mask, its layers' pieces compiled as alone: float32 logits [B, last, V]."""
     h = model.model.word_embeddings(ids)
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
     for i, layer in enumerate(model.model.layers):
-        h = layer(h, offsets, masks, [c[i] for c in caches])
+        h = layer(h, offsets, masks, [c[i] for c in caches], model.compile)
     return model.head(model.model.norm(h[:, -last:]))

@@ -11,10 +11,11 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..base import compile_enabled
 from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, linear, matmul, per_sequence
 from ..quantized import per_call
-from ..switch import SwitchLinear, by_expert, dense, grouped, project
+from ..switch import SwitchLinear, by_expert, cpu_eager_experts, dense, grouped, project
 from ..taps import layer_input
 from .config import ModelArgs
 from .weights import sanitize
@@ -160,9 +161,9 @@ class Attention(nn.Module):
         self.rotary_dim, self.theta = args.rotary_dim, args.rope_theta
         self.scale = self.d ** -0.5
 
-    def __call__(self, x, offset: int, mask, cache: Optional[CommittedKVCache]):
-        """``cache`` may be a list, one per sequence of a batch, with ``mask`` a list
-        and ``offset`` an array [B] alike: each sequence attends to its own cache."""
+    def project(self, x, offset):
+        """q, k, v as [B, heads, L, d]: QK-normed, then RoPE'd at positions offset.. (an
+        array [B] in a batch: each sequence at its own)."""
         B, L, _ = x.shape
         qkv = _linear(self.query_key_value, x).reshape(B, L, self.hq + 2 * self.hkv, self.d)
         q, k, v = mx.split(qkv, [self.hq, self.hq + self.hkv], axis=2)
@@ -171,11 +172,22 @@ class Attention(nn.Module):
             q, k = self.query_layernorm(q), self.key_layernorm(k)
         q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
+        return q, k, v
+
+    def attend(self, q, k, v, mask, cache):
+        """The attention output before ``dense``, [B, heads, L, d]. ``cache`` may be a
+        list, one per sequence of a batch, with ``mask`` a list alike: each sequence
+        attends to its own cache."""
         if isinstance(cache, list):
-            o = self._attend_each(q, k, v, mask, cache)
-        else:
-            o = self._attend(q, k, v, mask, cache)
+            return self._attend_each(q, k, v, mask, cache)
+        return self._attend(q, k, v, mask, cache)
+
+    def output(self, o):
+        B, _, L, _ = o.shape
         return _linear(self.dense, o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def __call__(self, x, offset, mask, cache: Optional[CommittedKVCache]):
+        return self.output(self.attend(*self.project(x, offset), mask, cache))
 
     def _attend_each(self, q, k, v, masks: list, caches: list[CommittedKVCache]):
         """A batch's attention, each sequence against its own cache. Sequences
@@ -255,19 +267,35 @@ class SparseMoe(nn.Module):
         if args.num_shared_experts:
             self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)
 
-    def __call__(self, x):
-        shape = x.shape
-        t = x.reshape(-1, shape[-1])
-        idx, w = self.gate(t, shape[0])
+    @property
+    def eager(self) -> bool:
+        """CPU backend: large float experts (grouped, with host reads) and quantized
+        ones (split over the CPU streams) run outside mx.compile."""
         sw = self.switch_mlp
-        if dense(t.shape[0] // shape[0], sw.gate_proj, sw.up_proj, sw.down_proj):
-            y = sw.weighted(t.reshape(shape[0], -1, shape[-1]), idx, w)
-        else:
-            y = (sw(t, idx, shape[0]).astype(mx.float32) * w[..., None]).sum(1)  # [T, k, H] summed
-        y = y.astype(x.dtype).reshape(shape)
+        return cpu_eager_experts(sw.gate_proj, sw.up_proj, sw.down_proj)
+
+    def route(self, x):
+        """``x`` [S, n, H] -> its rows [S*n, H], their experts and routing weights [S*n, k]."""
+        t = x.reshape(-1, x.shape[-1])
+        idx, w = self.gate(t, x.shape[0])
+        return t, idx, w
+
+    def routed(self, x, t, idx, w):
+        """The routed experts' weighted sum of ``route``'s rows, float32."""
+        S, sw = x.shape[0], self.switch_mlp
+        if dense(t.shape[0] // S, sw.gate_proj, sw.up_proj, sw.down_proj):
+            return sw.weighted(x, idx, w)
+        return (sw(t, idx, S).astype(mx.float32) * w[..., None]).sum(1)  # [T, k, H] summed
+
+    def combine(self, x, y):
+        """The routed sum ``y`` in ``x``'s dtype, plus the shared experts."""
+        y = y.astype(x.dtype).reshape(x.shape)
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
         return y
+
+    def __call__(self, x):
+        return self.combine(x, self.routed(x, *self.route(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -280,10 +308,60 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoe(args)
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self._compiled = None
 
-    def __call__(self, h, offset, mask, cache):
-        h = h + self.attention(self.input_layernorm(h), offset, mask, cache)
+    def _project(self, h, offset):
+        return self.attention.project(self.input_layernorm(h), offset)
+
+    def _finish(self, h, o):
+        h = h + self.attention.output(o)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _mix(self, h, o):
+        """A MoE layer up to its routed experts: the residual, the MLP input, its routing."""
+        h = h + self.attention.output(o)
+        x = self.post_attention_layernorm(h)
+        return (h, x, *self.mlp.route(x))
+
+    def _combine(self, h, x, y):
+        return h + self.mlp.combine(x, y)
+
+    def fusable(self) -> bool:
+        """Whether the layer's pieces may run inside mx.compile: not where a
+        quantized linear runs split over the CPU streams or dequantized per call
+        (cpu_streams.py, quantized.py: those run eagerly)."""
+        return not any(splits(m) or per_call(m) for _, m in self.named_modules()
+                       if isinstance(m, (nn.Linear, nn.QuantizedLinear)))
+
+    def compiled(self):
+        """The fixed-shape pieces fused with mx.compile, traced once per window
+        shape (a block, or a finished block and the next): (project, finish), or
+        (project, (mix, combine)) around eager experts; None where the layer
+        runs eagerly. Attention and its cache writes stay eager."""
+        if self._compiled is None:
+            pieces = False
+            if self.fusable():
+                state = self.state  # the module's arrays as implicit inputs
+                eager = isinstance(self.mlp, SparseMoe) and self.mlp.eager
+                rest = ((mx.compile(self._mix, inputs=state), mx.compile(self._combine, inputs=state)) if eager
+                        else mx.compile(self._finish, inputs=state))
+                pieces = (mx.compile(self._project, inputs=state), rest)
+            object.__setattr__(self, "_compiled", pieces)
+        return self._compiled or None
+
+    def __call__(self, h, offset, mask, cache, compiled: bool = False):
+        """``compiled``: the fused pieces where the layer allows them (``offset``
+        must then be an mx.array)."""
+        pieces = self.compiled() if compiled else None
+        if pieces is None:
+            return self._finish(h, self.attention.attend(*self._project(h, offset), mask, cache))
+        project, finish = pieces
+        o = self.attention.attend(*project(h, offset), mask, cache)
+        if isinstance(finish, tuple):  # compiled around eager experts
+            mix, combine = finish
+            h, x, t, idx, w = mix(h, o)
+            return combine(h, x, self.mlp.routed(x, t, idx, w))
+        return finish(h, o)
 
 
 class LLaDA2Backbone(nn.Module):
@@ -302,6 +380,7 @@ class Model(nn.Module):
         self.model = LLaDA2Backbone(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.compile = compile_enabled()
 
     @property
     def layers(self):
@@ -317,17 +396,23 @@ class Model(nn.Module):
         return [CommittedKVCache(capacity) for _ in self.model.layers]
 
     def __call__(self, inputs, cache=None, mask=None, last: Optional[int] = None,
-                 collect: Optional[list] = None):
+                 collect: Optional[list] = None, compiled: bool = False):
         """float32 logits of ``inputs`` [B, L] (the last ``last`` positions only).
 
         ``mask``: None (bidirectional), or a boolean/additive array over
         [L, cached + L]. Positions start at the cache offset. ``collect``: a
         list that gets each layer's output (dlm-verify's per-layer diagnostic).
+        ``compiled``: the layers' fixed-shape pieces run fused (``self.compile``
+        permitting): for the denoising windows, whose two shapes repeat every
+        step (a prompt's prefill stays eager: each new length would trace anew).
         """
+        compiled = compiled and self.compile and collect is None
         h = self.model.word_embeddings(inputs)
         offset = cache[0].offset if cache else 0
+        if compiled:
+            offset = mx.array(offset, dtype=mx.int32)
         for i, layer in enumerate(self.model.layers):
-            h = layer(layer_input(collect, h), offset, mask, cache[i] if cache else None)
+            h = layer(layer_input(collect, h), offset, mask, cache[i] if cache else None, compiled)
             if collect is not None:
                 collect.append(h)
         if last is not None:
