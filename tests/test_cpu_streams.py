@@ -42,6 +42,26 @@ def test_split_kernels_are_bit_identical(two_streams):
     assert mx.array_equal(cpu_streams.split_positions(qmm, h), qmm(h))
 
 
+def test_light_work_splits_only_into_pieces_big_enough(two_streams):
+    """A small vocabulary's rows run whole (a stream hand-off costs more than the
+    second core saves); from two pieces of VOCAB_MIN_PIECE_BYTES they split."""
+    calls = []
+
+    def fn(rows):
+        calls.append(rows.shape[0])
+        return rows * 2
+
+    row_bytes = 256 * 4  # a 256-entry float32 vocabulary
+    for rows, pieces in [(32, 1), (2 * cpu_streams.VOCAB_MIN_PIECE_BYTES // row_bytes, 2)]:
+        calls.clear()
+        x = mx.ones((rows, 256))
+        out = cpu_streams.split_rows(fn, x, min_piece_bytes=cpu_streams.VOCAB_MIN_PIECE_BYTES)
+        assert len(calls) == pieces and mx.array_equal(out, x * 2)
+    calls.clear()
+    cpu_streams.split_rows(fn, mx.ones((32, 256)))  # heavy work per row (a quantized matmul): split
+    assert len(calls) == 2
+
+
 @pytest.fixture(scope="module")
 def q4_models(tiny_dg_dir, tiny_llada2_mlx_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("q4_streams")

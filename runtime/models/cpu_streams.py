@@ -24,6 +24,13 @@ from typing import Callable
 import mlx.core as mx
 
 MIN_ROWS = 16  # rows per piece below which splitting costs more than it saves
+# Bytes of input per piece below which elementwise work over rows (a small
+# vocabulary's sampling) runs faster whole: a piece on another stream costs a
+# thread hand-off and a cross-stream wait inside the step's graph. Measured
+# (LLaDA-2 sampling, 2 cores): 32 KB pieces 1.04-1.20x the whole, 64 KB 0.94x,
+# 256 KB 0.66-0.76x; in a tiny model's step, 16-row pieces of a 256-entry
+# vocabulary cost 0.3-1.3 ms a step (scripts/bench_closed_loop.py).
+VOCAB_MIN_PIECE_BYTES = 256 << 10
 
 # MLX streams belong to the thread that made them ("There is no Stream(cpu, N) in
 # current thread" elsewhere): the server's worker thread gets its own.
@@ -60,7 +67,8 @@ def splits(module) -> bool:
     return "scales" in module and parallel() and not per_call(module)
 
 
-def split_rows(fn: Callable[..., mx.array], *arrays: mx.array, piece_bytes: int = 0) -> mx.array:
+def split_rows(fn: Callable[..., mx.array], *arrays: mx.array, piece_bytes: int = 0,
+               min_piece_bytes: int = 0) -> mx.array:
     """``fn(*arrays)`` with the arrays' leading (row) axis split over the CPU
     streams; ``fn`` must treat rows independently. ``fn`` may return a tuple
     of arrays (each with the rows as its leading axis). ``piece_bytes``: also
@@ -68,10 +76,14 @@ def split_rows(fn: Callable[..., mx.array], *arrays: mx.array, piece_bytes: int 
     turns on the streams), a piece starting only once the one a turn back on
     its stream is done (left alone, MLX's scheduler runs every piece's first
     op first, and all their temporaries live at once), so the temporaries
-    ``fn`` makes stay that small."""
+    ``fn`` makes stay that small. ``min_piece_bytes``: split only into pieces of
+    at least that many bytes of ``arrays[0]`` (work as light as its input:
+    ``VOCAB_MIN_PIECE_BYTES``)."""
     streams = cpu_streams()
     rows = arrays[0].shape[0]
     n = min(len(streams), rows // MIN_ROWS)
+    if min_piece_bytes:
+        n = min(n, arrays[0].nbytes // min_piece_bytes)
     if piece_bytes:
         row_bytes = arrays[0].nbytes // max(rows, 1)
         n = max(n, -(-rows // max(piece_bytes // max(row_bytes, 1), 1)))
@@ -92,8 +104,9 @@ def split_rows(fn: Callable[..., mx.array], *arrays: mx.array, piece_bytes: int 
     return mx.concatenate(parts, axis=0)
 
 
-def split_positions(fn: Callable[[mx.array], mx.array], x: mx.array, piece_bytes: int = 0) -> mx.array:
+def split_positions(fn: Callable[[mx.array], mx.array], x: mx.array, piece_bytes: int = 0,
+                    min_piece_bytes: int = 0) -> mx.array:
     """``fn`` over ``x`` [..., D], every leading position a row, split over the CPU streams."""
     flat = x.reshape(-1, x.shape[-1])
-    out = split_rows(fn, flat, piece_bytes=piece_bytes)
+    out = split_rows(fn, flat, piece_bytes=piece_bytes, min_piece_bytes=min_piece_bytes)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -80,7 +80,8 @@ def test_split_over_cpu_streams_is_bitwise_one_stream(monkeypatch):
     """Rows split over the CPU streams give exactly what one stream gives."""
     if not cpu_streams.parallel():
         pytest.skip("one CPU core: nothing is split")
-    x = mx.array(_logits(rows=2 * cpu_streams.MIN_ROWS + 3, vocab=2000, seed=4))
+    x = mx.array(_logits(rows=2 * cpu_streams.MIN_ROWS + 3, vocab=8000, seed=4))
+    assert x.nbytes >= 2 * cpu_streams.VOCAB_MIN_PIECE_BYTES  # big enough to be split
     split = V.score(x, 0.6)
     u = mx.random.uniform(shape=split.argmax.shape, key=mx.random.key(5))
     split_draws = [V.sample(split, t, u) for t in (1.0, 0.5)]

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import cpu_vocab
 from ..base import compile_enabled
-from ..cpu_streams import split_positions, splits
+from ..cpu_streams import VOCAB_MIN_PIECE_BYTES, split_positions, splits
 from ..quantized import embedding_matmul, per_call, wants
 from ..rows import as_linear, matmul
 from ..taps import layer_input
@@ -140,7 +140,8 @@ def softcap(logits: mx.array, cap: float) -> mx.array:
     if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector tanh (cpu_vocab.py)
         return cpu_vocab.softcap(logits, cap)
     c = mx.array(cap, dtype=mx.float32)
-    return split_positions(lambda rows: _softcap_rows(rows, c), logits, piece_bytes=PIECE_BYTES)
+    return split_positions(lambda rows: _softcap_rows(rows, c), logits, piece_bytes=PIECE_BYTES,
+                           min_piece_bytes=VOCAB_MIN_PIECE_BYTES)
 
 
 class EncoderLayerScalar(nn.Module):

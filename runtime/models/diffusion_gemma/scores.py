@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import cpu_vocab
-from ..cpu_streams import split_rows
+from ..cpu_streams import VOCAB_MIN_PIECE_BYTES, split_rows
 
 _F32_MIN = float(np.finfo(np.float32).min)
 _TINY = float(np.finfo(np.float32).tiny)
@@ -41,6 +41,11 @@ _TINY = float(np.finfo(np.float32).tiny)
 # a few temporaries the size of its input, which at the released geometry
 # (256 x 262144 float32, 268 MB) would otherwise add ~1 GB to a step's peak.
 PIECE_BYTES = 32 << 20
+
+
+def _split_rows(fn, *arrays: mx.array):
+    """``fn`` over rows of logits-sized arrays, split over the CPU streams where it pays, in bounded pieces."""
+    return split_rows(fn, *arrays, piece_bytes=PIECE_BYTES, min_piece_bytes=VOCAB_MIN_PIECE_BYTES)
 
 
 @dataclass
@@ -91,9 +96,9 @@ def score(logits: mx.array, t) -> Scores:
         argmax, entropy, probs, total = cpu_vocab.score_rows(logits, t.item() if per_row is None
                                                              else np.array(per_row))
     elif per_row is None:
-        argmax, entropy, probs, total = split_rows(lambda r: _score_rows(r, t), rows, piece_bytes=PIECE_BYTES)
+        argmax, entropy, probs, total = _split_rows(lambda r: _score_rows(r, t), rows)
     else:
-        argmax, entropy, probs, total = split_rows(_score_rows, rows, per_row, piece_bytes=PIECE_BYTES)
+        argmax, entropy, probs, total = _split_rows(_score_rows, rows, per_row)
     return Scores(logits, t, argmax.reshape(lead), entropy.reshape(lead), probs.reshape(*lead, vocab),
                   total.reshape(*lead, 1))
 
@@ -118,10 +123,9 @@ def sample(scores: Scores, temperature: float, u: mx.array) -> mx.array:
     lead, vocab = scores.argmax.shape, scores.probs.shape[-1]
     flat_u = u.reshape(-1)
     if temperature == 1:
-        draw = split_rows(_inverse_cdf_rows, scores.probs.reshape(-1, vocab), flat_u, piece_bytes=PIECE_BYTES)
+        draw = _split_rows(_inverse_cdf_rows, scores.probs.reshape(-1, vocab), flat_u)
     else:
         temp = mx.array(temperature, dtype=mx.float32)
-        draw = split_rows(lambda p, a, r: _inverse_cdf_rows(_tempered_rows(p, a, temp), r),
-                          scores.proc.reshape(-1, vocab), scores.argmax.reshape(-1), flat_u,
-                          piece_bytes=PIECE_BYTES)
+        draw = _split_rows(lambda p, a, r: _inverse_cdf_rows(_tempered_rows(p, a, temp), r),
+                           scores.proc.reshape(-1, vocab), scores.argmax.reshape(-1), flat_u)
     return draw.reshape(lead)

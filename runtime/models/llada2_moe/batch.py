@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...generate import Block
-from ..cpu_streams import split_rows
+from ..cpu_streams import VOCAB_MIN_PIECE_BYTES, split_rows
 from .model import block_causal_mask
 from .sampling import on_host, reveal, sample
 from .structured import denoise_structured
@@ -73,8 +73,8 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
         rows.append(mx.array(np.concatenate([r.uniforms for r in reqs])))
 
     # Over the vocabulary: numpy's threads at scale (cpu_vocab.py: decided by one
-    # block's size, as alone), else rows split over the CPU streams (MLX's exp
-    # runs on one thread).
+    # block's size, as alone), else rows split over the CPU streams where the
+    # pieces are big enough to pay (MLX's exp runs on one thread).
     host = on_host(bl * logits.shape[-1], s)
 
     def score(logits, u=None):
@@ -82,7 +82,7 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
             logits = logits + session.logit_bias
         return sample(logits, s, u, host)
 
-    scored = score(*rows) if host else split_rows(score, *rows)
+    scored = score(*rows) if host else split_rows(score, *rows, min_piece_bytes=VOCAB_MIN_PIECE_BYTES)
     tok, conf = (a.reshape(len(reqs), bl) for a in scored)
     block, in_gen = mx.stack([r.block for r in reqs]), mx.stack([r.in_gen for r in reqs])
     active = (block == s.mask_token_id) & in_gen
