@@ -9,7 +9,8 @@ scripts/bench_serve.py's do over HTTP) on one Batcher, against one client
 apart (their requests arrive and end at different steps), where clients that
 start together with the same request stay in lockstep.
 
-Prints the milliseconds per request of each (wall and the process's CPU time), and the scheduler's steps by what
+Prints the milliseconds per request of each (wall and the process's CPU time), the requests a step carried
+(on average: short rounds fill and drain the batch), and the scheduler's steps by what
 else they did: admitted requests (and the milliseconds of their prefills) and
 canvases/blocks begun (a DiffusionGemma canvas begins with the re-encoding of
 the one committed before it). The same chat request as bench_serve.py, every request its own seed.
@@ -64,10 +65,11 @@ def cpu_seconds() -> float:
 
 
 def closed_loop(loaded, ids, options, clients: int, total: int, counted: Counted, steps: dict,
-                stagger: int = 0) -> tuple[float, float]:
+                stagger: int = 0, carried: list = None) -> tuple[float, float]:
     """(wall ms, CPU ms) per request of ``total`` requests from ``clients``
     closed-loop clients, the k-th of which starts ``k * stagger`` steps after the
-    first; each step's (ms, prefill ms) goes to ``steps[(admitted, begun)]``."""
+    first; each step's (ms, prefill ms) goes to ``steps[(admitted, begun)]``, and
+    the number of requests it carried to ``carried``."""
     batcher, seeds, done, started, n = Batcher(loaded, max_batch=max(clients, 1)), itertools.count(), 0, 0, 0
     start, cpu = time.perf_counter(), cpu_seconds()
     while done < total:
@@ -80,6 +82,8 @@ def closed_loop(loaded, ids, options, clients: int, total: int, counted: Counted
         events = batcher.step()
         steps[(counted.now["admitted"], counted.now["begun"])].append(((time.perf_counter() - t) * 1e3,
                                                                       counted.now["prefill_ms"]))
+        if carried is not None:  # the requests still going, and those that ended in this step
+            carried.append(len(batcher.active) + sum(entry.final is event for entry, event in events))
         for entry, event in events:
             if entry.final is event:
                 done += 1
@@ -109,13 +113,16 @@ def main() -> None:
     closed_loop(loaded, ids, options, args.clients, args.clients, counted, collections.defaultdict(list))  # warm-up
     runs = {1: [], args.clients: []}
     steps = {n: collections.defaultdict(list) for n in runs}
+    carried = {n: [] for n in runs}
     for _ in range(args.rounds):
         for n in runs:
-            runs[n].append(closed_loop(loaded, ids, options, n, args.requests, counted, steps[n], args.stagger))
+            runs[n].append(closed_loop(loaded, ids, options, n, args.requests, counted, steps[n], args.stagger,
+                                       carried[n]))
     for n, times in runs.items():
         print(json.dumps({"clients": n, "ms_per_request": round(statistics.median(w for w, _ in times), 1),
                           "cpu_ms_per_request": round(statistics.median(c for _, c in times), 1),
-                          "rounds": [round(w) for w, _ in times]}))
+                          "rounds": [round(w) for w, _ in times],
+                          "requests_a_step": round(statistics.mean(carried[n]), 2)}))
         for (admitted, begun), timed in sorted(steps[n].items()):
             row = {"clients": n, "admitted": admitted, "begun": begun, "steps": len(timed),
                    "median_ms": round(statistics.median(ms for ms, _ in timed), 1)}
