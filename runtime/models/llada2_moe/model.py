@@ -147,6 +147,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Run by the layer in pieces (``project``, ``attend``, ``output``): the first
+    and last may be fused with the layer's other fixed-shape work."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.hq, self.hkv, self.d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
@@ -185,9 +188,6 @@ class Attention(nn.Module):
     def output(self, o):
         B, _, L, _ = o.shape
         return _linear(self.dense, o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def __call__(self, x, offset, mask, cache: Optional[CommittedKVCache]):
-        return self.output(self.attend(*self.project(x, offset), mask, cache))
 
     def _attend_each(self, q, k, v, masks: list, caches: list[CommittedKVCache]):
         """A batch's attention, each sequence against its own cache. Sequences
