@@ -1,9 +1,16 @@
 """dlm.runtime: the MLX runtime (models, generation, API, CLI, server).
 
 Importing it first loads an optimized BLAS for MLX's CPU backend on Linux
-(``dlm.runtime.blas``), before anything imports MLX.
+(``dlm.runtime.blas``), before anything imports MLX, and keeps float32 matrix
+products in full float32 on GPUs (``dlm.runtime.precision``); a Linux MLX
+without its backend library fails with one line on what to install
+(``dlm.runtime.backend``).
 """
 
+from . import backend as _backend
 from . import blas as _blas
+from . import precision as _precision
 
 _blas.use_optimized_blas()
+_precision.use_full_float32()
+_backend.require()  # MLX itself, or one line on the backend to install (Linux)

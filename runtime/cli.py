@@ -13,10 +13,10 @@ import time
 
 import click
 
-from . import blas, trace_html
+from . import backend, blas, precision, trace_html
 from . import trace as step_trace
 from .batch_cli import batch_options, check_flags, read_prompts, run_prompts_file
-from .console import Group, LiveView, check_text, fail, model_options, read_stdin
+from .console import Group, LiveView, check_text, echo_environment_notes, fail, model_options, read_stdin
 from .errors import DlmError
 from .images import open_file
 from .options import click_options
@@ -26,9 +26,7 @@ from .options import click_options
 @click.version_option(package_name="dlm", prog_name="dlm-run")
 def main():
     """Run DiffusionGemma / LLaDA-2 models converted to MLX."""
-    note = blas.hint()
-    if note:
-        click.echo(note, err=True)
+    echo_environment_notes()
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -65,6 +63,7 @@ def profile_lines(stats, loaded=None) -> list[str]:
         f"Tokens per forward: {stats.tokens_per_forward:.3f} ({stats.forwards} forwards)",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
         f"BLAS: {blas.STATUS if blas.STATUS not in ('off', 'reference') else 'MLX default'}",
+        f"MLX backend: {backend.describe()}; float32 matmuls: {precision.describe()}",
     ] + ([compute_line(loaded)] if loaded is not None else [])
 
 

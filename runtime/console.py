@@ -127,3 +127,13 @@ class LiveView:
             self.stream.write("\n")
             self.stream.flush()
         self.index = None
+
+
+def echo_environment_notes() -> None:
+    """The one-line notes every CLI prints first: a slow BLAS with a faster one
+    to install, several MLX backends overwriting each other's library."""
+    from . import backend, blas
+
+    for note in (blas.hint(), backend.conflict()):
+        if note:
+            click.echo(note, err=True)

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from tests.builders import build_llada2
-from scripts.peer import load_mlx_vlm
+from scripts.peer import load_mlx_vlm, warm_up
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,8 +61,9 @@ SIZES = {
 # 8 groups, 1 shared expert; layer 0 dense) with --release-layers layers, random bf16 weights written tensor by
 # tensor (scripts/bench_full_scale.py's builder), converted to float32 / 4-bit.
 SIZES["release"] = (None, None)
-DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4)}
-RELEASE_DTYPES = {"f32": dict(dtype="float32"), "q4": dict(quantize=True, q_bits=4)}
+# bf16: the Hub checkpoints' own dtype, what Metal/CUDA users run (the CPU loader upcasts it).
+DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
+RELEASE_DTYPES = {"f32": dict(dtype="float32"), "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
 
 
 def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
@@ -188,8 +189,7 @@ def main():
                 tools = {"dlm": lambda: run_dlm(loaded, prompt_ids, s)}
                 if vmodel is not None:
                     tools["mlx-vlm"] = lambda: run_vlm(vmodel, prompt_ids, s, mask_id)
-                for fn in tools.values():
-                    fn()  # warm-up
+                warm_up(tools)
                 runs = {name: [] for name in tools}
                 for _ in range(a.repeats):
                     for name, fn in tools.items():

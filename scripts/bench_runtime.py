@@ -42,7 +42,7 @@ from pathlib import Path
 
 from scripts import machine_limits, step_pieces
 from tests.builders import build_diffusion_gemma, convert_dir
-from scripts.peer import load_mlx_vlm
+from scripts.peer import load_mlx_vlm, warm_up
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,8 +62,9 @@ SIZES = {
 # experts top-8, canvas 256) with --release-layers decoder layers, random bf16 weights written tensor by
 # tensor (scripts/bench_full_scale.py's builder), converted to float32 / 4-bit.
 SIZES["release"] = dict(canvas=256, text=None)
-DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4)}
-RELEASE_DTYPES = {"f32": dict(dtype="float32"), "q4": dict(quantize=True, q_bits=4)}
+# bf16: the Hub checkpoints' own dtype, what Metal/CUDA users run (the CPU loader upcasts it).
+DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
+RELEASE_DTYPES = {"f32": dict(dtype="float32"), "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
 
 
 def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
@@ -197,10 +198,9 @@ def main():
             if vlm_load is not None:
                 vmodel, vproc = vlm_load(str(path))
                 tools["mlx-vlm"] = lambda seed: run_vlm(vmodel, vproc, prompt_ids, max_tokens, a.steps, seed)
-            runs = {name: [] for name in tools}
             for _ in range(a.warmup):
-                for name, fn in tools.items():
-                    fn(0)
+                warm_up(tools, lambda fn: fn(0))
+            runs = {name: [] for name in tools}
             for r in range(a.repeats):
                 for name, fn in tools.items():
                     runs[name].append(fn(r + 1))

@@ -22,3 +22,18 @@ def load_mlx_vlm(peer_dir: str):
         print(f"mlx-vlm unavailable ({exc}); timing dlm only", file=sys.stderr)
         return None, None
     return load, getattr(mlx_vlm, "__version__", "?")
+
+
+def warm_up(tools: dict, call=lambda fn: fn()) -> None:
+    """One untimed run of each tool through ``call``. A peer that cannot run this
+    model here (mlx-vlm's bf16 experts on MLX's CPU backend: gather_mm is
+    float32-only there) is dropped from ``tools`` with a line on stderr, so the
+    row is dlm's alone; dlm's own errors propagate."""
+    for name, fn in list(tools.items()):
+        try:
+            call(fn)
+        except Exception as exc:
+            if name == "dlm":
+                raise
+            print(f"{name} failed on this model ({type(exc).__name__}: {exc}); timing dlm only", file=sys.stderr)
+            del tools[name]

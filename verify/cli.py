@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from dlm.runtime.console import Group
+from dlm.runtime.console import Group, echo_environment_notes
 from dlm.runtime.errors import DlmError
 
 from .budget import BUDGET, budget_help
@@ -120,11 +120,7 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
       dlm-verify record --reference REPO_OR_DIR -o BUNDLE [--mlx MLX_DIR]
 
     Exit status: 0 passed, 1 a check failed, 2 bad input / reference not loadable."""
-    from dlm.runtime import blas
-
-    note = blas.hint()
-    if note:
-        click.echo(note, err=True)
+    echo_environment_notes()
     if ctx.invoked_subcommand is not None:
         return
     if not mlx_dir:

@@ -145,6 +145,7 @@ class Report:
         lines = [
             f"dlm-verify --parity {self.model}",
             f"  family {self.family}, precision {prec.get('label')} (computes in {prec.get('compute_dtype')}); "
+            f"MLX {prec.get('device', '?')} backend, float32 matmuls {prec.get('float32_matmul', '?')}; "
             f"reference {src} ({ref.get('dtype', '?')})"
             + (f", bundle {ref['bundle']}" if ref.get("bundle") and ref.get("source") else ""),
             f"  {self.prompts} prompts, {self.cases} logit cases; commit streams for "
@@ -258,6 +259,13 @@ class Report:
             lines.append("")
         return lines
 
+    def _backend_text(self) -> str:
+        prec = self.precision
+        if "device" not in prec:  # a report written before dlm recorded it
+            return ""
+        matmuls = f", float32 matmuls {prec['float32_matmul']}" if prec.get("compute_dtype") == "float32" else ""
+        return f" on MLX's {prec['device']} backend{matmuls}"
+
     # -- model card ---------------------------------------------------------
 
     def card_markdown(self) -> str:
@@ -268,7 +276,8 @@ class Report:
         date = _dt.date.today().isoformat()
         lines = [
             f"**dlm-verify {'passed' if self.passed else 'FAILED'}** on {date}: this "
-            f"{self.precision.get('label')} model (computing in {self.precision.get('compute_dtype')}) against "
+            f"{self.precision.get('label')} model (computing in {self.precision.get('compute_dtype')}"
+            f"{self._backend_text()}) against "
             f"the PyTorch reference `{src}` in {ref.get('dtype', '?')}" + (f" ({vtext})" if vtext else "") + ".",
             "",
             f"{self.prompts} prompts, {self.cases} fixed logit cases; commit streams of the deterministic "

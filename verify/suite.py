@@ -99,6 +99,14 @@ def _versions() -> dict:
     return out
 
 
+def _backend() -> dict:
+    """Where the MLX side ran and how its float32 products were computed
+    (dlm.runtime.precision: TF32 on a GPU would blur float32 parity)."""
+    from dlm.runtime import backend, precision
+
+    return {"device": backend.device_name(), "float32_matmul": precision.describe()}
+
+
 AUTO = "auto"
 
 
@@ -578,7 +586,7 @@ def _run_parity(mlx_dir, options: Options) -> Report:
                      implementation_reason=matched.meta.get("mode_reason", ""))
 
     return Report(
-        model=str(mlx_dir), family=family.name, precision=prec.to_dict(), reference=reference,
+        model=str(mlx_dir), family=family.name, precision=dict(prec.to_dict(), **_backend()), reference=reference,
         checks=results, settings=dict(bundle.settings, stream_prompts=len(bundle.stream_prompts)),
         prompts=len(bundle.prompts), cases=len(bundle.cases), timings=timings, notes=notes,
         images=I.summary(images), layers=layers, streaming=modes,

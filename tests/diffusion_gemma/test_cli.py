@@ -37,7 +37,7 @@ def test_text_stream_and_profile(tiny_dg_mlx_dir):
              "--profile", *FAST])
     assert r.exit_code == 0, r.output
     for key in ("Prompt:", "Generation: 8 tokens", "Canvases: 1", "stopped early: 0",
-                "Tokens per forward:", "Peak memory:"):
+                "Tokens per forward:", "Peak memory:", "MLX backend: cpu (mlx-cpu ", "float32 matmuls: full float32"):
         assert key in r.stderr
 
 

@@ -77,6 +77,8 @@ def test_q4_conversion_passes_with_tight_implementation_parity(conversions, refe
     report = run_parity(conversions["q4"], verify_options(bundle=str(reference_bundle)))
     assert report.passed, report.table()
     assert report.precision["bits"] == 4 and report.precision["compute_dtype"] == "float32"
+    assert report.precision["device"] == "cpu" and report.precision["float32_matmul"].startswith("full float32")
+    assert "on MLX's cpu backend, float32 matmuls full float32" in report.card_markdown()
     impl = report.check("implementation").metrics
     assert impl["max_abs"] < 1e-4 and impl["top1"] == 1.0  # same weights: float32-exact
     logits = report.check("logits").metrics
