@@ -95,7 +95,16 @@ def main() -> None:
     p.add_argument("--window-steps", type=int, default=10, help="steps of a timed window")
     p.add_argument("--block-length", type=int, default=8, help="LLaDA-2's block length")
     p.add_argument("--steps-only", action="store_true", help="the step costs only, no generate runs")
+    p.add_argument("--merged-rows", action="store_true",
+                   help="measurement only: a batch's float GEMMs run merged, not one per sequence "
+                        "(rows.py), to see what the bit-for-bit batch = solo property costs on this backend")
     args = p.parse_args()
+    if args.merged_rows:
+        if not args.steps_only:
+            p.error("--merged-rows gives up batch = solo bit for bit: use it with --steps-only")
+        from dlm.runtime.models import rows
+
+        rows._batched = lambda x: False
     if not args.model and not args.tiny:
         p.error("give --model DIR or --tiny")
     model = Path(args.model) if args.model else tiny_model(Path(tempfile.mkdtemp()), args.family)

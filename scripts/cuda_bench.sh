@@ -31,7 +31,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null
-for name in ${STEPS:-tests dg llada2 batch tf32}; do
+for name in ${STEPS:-tests dg llada2 batch pieces tf32}; do
   case $name in
   tests)  # the suite on the GPU: parity tolerances, bitwise batch = solo, CPU-only paths staying off
     step tests "${TESTS_LIMIT:-300}" "$PY" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" -rfE tests ;;
@@ -43,9 +43,12 @@ for name in ${STEPS:-tests dg llada2 batch tf32}; do
     step llada2 "${LLADA2_LIMIT:-300}" "$PY" -m scripts.bench_llada2 --sizes release --dtypes bf16 q4 f32 \
       --release-layers "$LAYERS" --steps 32 --max-tokens 128 --repeats 5 --work "$WORK" --peer "$PEER" \
       --json "$OUT/llada2.json" ;;
-  batch)  # the shared step of 1, 4 and 8 requests (dlm-run serve --max-batch)
-    step batch "${BATCH_LIMIT:-180}" bash -c "$PY -m scripts.bench_batch --model $WORK/release${LAYERS}L-bf16 --sizes 1,4,8 \
-      --steps-only && $PY -m scripts.bench_batch --model $WORK/llada2-mini-release${LAYERS}L-bf16 --sizes 1,4,8 --steps-only" ;;
+  batch)  # the shared step of 1, 4 and 8 requests (dlm-run serve --max-batch), and with merged GEMMs
+    step batch "${BATCH_LIMIT:-240}" bash -c "for m in $WORK/release${LAYERS}L-bf16 $WORK/llada2-mini-release${LAYERS}L-bf16; do \
+      for flag in '' --merged-rows; do echo \$m \$flag; $PY -m scripts.bench_batch --model \$m --sizes 1,4,8 --steps-only \$flag; done; done" ;;
+  pieces)  # where a bf16 step's time goes (scripts/step_pieces.py)
+    step pieces "${PIECES_LIMIT:-120}" "$PY" -m scripts.bench_runtime --sizes release --dtypes bf16 --release-layers "$LAYERS" \
+      --canvases 1 --steps 8 --repeats 1 --full-steps --pieces --work "$WORK" --peer "$PEER" ;;
   tf32)  # float32 as MLX runs it by default on GPUs (TF32 products; dlm sets MLX_ENABLE_TF32=0 unless asked)
     step tf32 "${TF32_LIMIT:-200}" env MLX_ENABLE_TF32=1 "$PY" -m scripts.bench_runtime --sizes release --dtypes f32 \
       --release-layers "$LAYERS" --canvases 2 --steps 32 --repeats 5 --full-steps --work "$WORK" --peer "$PEER" \

@@ -34,8 +34,10 @@ def test_the_api_raises_one_clear_import_error(tmp_path):
     assert 'pip install "dlm[cpu]"' in last and "dlm[cuda13]" in last
 
 
-def test_a_command_prints_the_line_without_a_traceback(tmp_path):
-    code = "import sys; sys.argv[0] = 'dlm-run'; from dlm.runtime.cli import main; main()"
+@pytest.mark.parametrize("command,module", [("dlm-run", "dlm.runtime.cli"), ("dlm-convert", "dlm.convert.cli"),
+                                            ("dlm-verify", "dlm.verify.cli")])
+def test_a_command_prints_the_line_without_a_traceback(tmp_path, command, module):
+    code = f"import sys; sys.argv[0] = {command!r}; from {module} import main; main()"
     r = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: MLX is installed without a backend library") and "dlm[cpu]" in r.stderr
