@@ -31,7 +31,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null
-for name in ${STEPS:-tests dg llada2 batch pieces tf32}; do
+for name in ${STEPS:-tests dg llada2 batch batchprof pieces tf32}; do
   case $name in
   tests)  # the suite on the GPU: parity tolerances, bitwise batch = solo, CPU-only paths staying off
     step tests "${TESTS_LIMIT:-300}" "$PY" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" -rfE tests ;;
@@ -46,6 +46,9 @@ for name in ${STEPS:-tests dg llada2 batch pieces tf32}; do
   batch)  # the shared step of 1, 4 and 8 requests (dlm-run serve --max-batch), and with merged GEMMs
     step batch "${BATCH_LIMIT:-240}" bash -c "for m in $WORK/release${LAYERS}L-bf16 $WORK/llada2-mini-release${LAYERS}L-bf16; do \
       for flag in '' --merged-rows; do echo \$m \$flag; $PY -m scripts.bench_batch --model \$m --sizes 1,4,8 --steps-only \$flag; done; done" ;;
+  batchprof)  # the host side of a batched step of 4 (Python-visible overhead; GPU time sits under mx.eval)
+    step batchprof "${BATCHPROF_LIMIT:-120}" "$PY" -m cProfile -s tottime -m scripts.bench_batch \
+      --model "$WORK/release${LAYERS}L-bf16" --sizes 4 --steps-only --windows 3 ;;
   pieces)  # where a bf16 step's time goes (scripts/step_pieces.py)
     step pieces "${PIECES_LIMIT:-120}" "$PY" -m scripts.bench_runtime --sizes release --dtypes bf16 --release-layers "$LAYERS" \
       --canvases 1 --steps 8 --repeats 1 --full-steps --pieces --work "$WORK" --peer "$PEER" ;;
