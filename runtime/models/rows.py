@@ -20,6 +20,11 @@ one sequence and are the plain call otherwise (a sequence alone runs exactly
 what it ran before). Quantized matmuls run merged: MLX's own CPU kernel
 computes every row on its own (checked in tests/test_batch_rows.py); those
 dequantized per call (quantized.py) get one GEMM per sequence as float ones do.
+
+These are the CPU backend's guarantees. On CUDA (one H200 run, with TF32
+products) tests/test_batch_rows.py's bit-for-bit checks failed: a batched
+cuBLAS call need not run the sequence's own kernel (scripts/cuda_bench.sh
+measures the cost of these per-sequence GEMMs there: bench_batch --merged-rows).
 """
 
 from __future__ import annotations
