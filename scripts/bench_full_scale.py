@@ -76,6 +76,12 @@ DRIFT_NOTE = ("random weights: logits are near-uniform, so 4-bit quantization dr
               "0.08, scripts/probe_rounding.py): what must hold is the layer-local implementation row "
               "(implementation_layers: each MLX layer fed the same-weights reference's input)")
 
+# The runtime benchmarks' precisions (bench_runtime.py, bench_llada2.py): dlm-convert options for the
+# small test-builder checkpoints and for the random bf16 release-geometry ones built here. bf16 is the Hub
+# checkpoints' own dtype, what Metal/CUDA users run (the CPU loader upcasts it).
+BENCH_DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
+RELEASE_DTYPES = {**BENCH_DTYPES, "f32": dict(dtype="float32")}
+
 # ---------------------------------------------------------------------------
 # DiffusionGemma: bench_convert's builder at the released depth
 # ---------------------------------------------------------------------------

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from tests.builders import build_llada2
+from scripts.bench_full_scale import BENCH_DTYPES, RELEASE_DTYPES
 from scripts.peer import load_mlx_vlm, warm_up
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +60,8 @@ SIZES = {
 }
 # "release": the released inclusionAI/LLaDA2.0-mini geometry (vocab 157184, hidden 2048, 256 experts top-8 in
 # 8 groups, 1 shared expert; layer 0 dense) with --release-layers layers, random bf16 weights written tensor by
-# tensor (scripts/bench_full_scale.py's builder), converted to float32 / 4-bit.
+# tensor (scripts/bench_full_scale.py's builder), converted to float32 / 4-bit / bf16.
 SIZES["release"] = (None, None)
-# bf16: the Hub checkpoints' own dtype, what Metal/CUDA users run (the CPU loader upcasts it).
-DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
-RELEASE_DTYPES = {"f32": dict(dtype="float32"), "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
 
 
 def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
@@ -82,7 +80,7 @@ def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
         hf = work / f"llada2-{size}-hf"
         if not (hf / "config.json").exists():
             build_llada2(hf, geometry, **overrides)
-        out, options = work / f"llada2-{size}-{dtype}", DTYPES[dtype]
+        out, options = work / f"llada2-{size}-{dtype}", BENCH_DTYPES[dtype]
     if not (out / "config.json").exists():
         convert(ConvertOptions(source=str(hf), output=str(out), progress=False, **options), echo=lambda s: None)
     return out
@@ -154,7 +152,7 @@ def summarize(runs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(SIZES))
-    ap.add_argument("--dtypes", nargs="+", default=["f32"], choices=list(DTYPES),
+    ap.add_argument("--dtypes", nargs="+", default=["f32"], choices=list(BENCH_DTYPES),
                     help="q4: dlm's mixed recipe (mlx-vlm loads the same directory)")
     ap.add_argument("--steps", nargs="+", type=int, default=[32, 8], help="denoising steps per block")
     ap.add_argument("--block-length", type=int, default=32)

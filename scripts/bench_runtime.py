@@ -42,6 +42,7 @@ from pathlib import Path
 
 from scripts import machine_limits, step_pieces
 from tests.builders import build_diffusion_gemma, convert_dir
+from scripts.bench_full_scale import BENCH_DTYPES, RELEASE_DTYPES
 from scripts.peer import load_mlx_vlm, warm_up
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +61,8 @@ SIZES = {
 }
 # "release": the released google/diffusiongemma-26B-A4B-it text geometry (vocab 262144, hidden 2816, 128
 # experts top-8, canvas 256) with --release-layers decoder layers, random bf16 weights written tensor by
-# tensor (scripts/bench_full_scale.py's builder), converted to float32 / 4-bit.
+# tensor (scripts/bench_full_scale.py's builder), converted to float32 / 4-bit / bf16.
 SIZES["release"] = dict(canvas=256, text=None)
-# bf16: the Hub checkpoints' own dtype, what Metal/CUDA users run (the CPU loader upcasts it).
-DTYPES = {"f32": {}, "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
-RELEASE_DTYPES = {"f32": dict(dtype="float32"), "q4": dict(quantize=True, q_bits=4), "bf16": dict(dtype="bfloat16")}
 
 
 def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
@@ -85,7 +83,7 @@ def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
         build_diffusion_gemma(hf, form="hub", canvas_length=spec["canvas"], text_overrides=spec["text"])
     out = work / f"{size}-{dtype}"
     if not (out / "config.json").exists():
-        convert_dir(hf, out, **DTYPES[dtype])
+        convert_dir(hf, out, **BENCH_DTYPES[dtype])
     return out
 
 
@@ -155,7 +153,7 @@ def summarize(runs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(SIZES))
-    ap.add_argument("--dtypes", nargs="+", default=["f32", "q4"], choices=list(DTYPES))
+    ap.add_argument("--dtypes", nargs="+", default=["f32", "q4"], choices=list(BENCH_DTYPES))
     ap.add_argument("--canvases", type=int, default=4, help="canvases per run")
     ap.add_argument("--steps", type=int, default=16, help="denoising steps per canvas")
     ap.add_argument("--repeats", type=int, default=5)
