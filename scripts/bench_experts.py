@@ -1,11 +1,17 @@
-"""Routed experts on the MLX CPU backend: gather_mm vs one dense matmul per
-expert (dlm's CPU default), at the released DiffusionGemma expert shape (not a test).
+"""Routed experts on the MLX CPU backend, at the released expert shapes (not a
+test): dlm's CPU default for float experts (``switch.by_count``: one GEMM per
+expert, the experts with as many token copies stacked in one ``gather_mm``)
+against one matmul op per expert (``by_expert``, the default before it;
+DLM_CPU_EXPERTS=each) and gather_mm over the copies sorted by expert (mlx-lm's
+and mlx-vlm's kernel; DLM_CPU_EXPERTS=gather).
 
-Two measurements, each side by side in one process with the two kernels
-interleaved (DLM_CPU_EXPERTS=gather switches dlm back to gather_mm):
+Measured side by side in one process, the kernels interleaved:
 
-* kernel: one ``Experts`` call, 128 experts top-8, hidden 2816 -> 704, on the
-  token copies of one 256-token canvas, float32 (random weights);
+* kernel: one DiffusionGemma ``Experts`` call, 128 experts top-8, hidden
+  2816 -> 704, on the token copies of one 256-token canvas, float32 (random
+  weights);
+* llada2: one LLaDA2.0-mini ``SwitchGLU`` call, 256 experts top-8, hidden
+  2048 -> 512, on one 32-position block's token copies;
 * step: one DiffusionGemma decoder pass (canvas 256 over a 64-token prefix) of
   a model with the released text geometry but ``--layers`` layers and a
   ``--vocab`` vocabulary (random weights; the full vocabulary's head is timed
@@ -35,7 +41,7 @@ RELEASED = dict(
 def timed(fn, mode: str) -> float:
     import mlx.core as mx
 
-    os.environ["DLM_CPU_EXPERTS"] = mode
+    os.environ["DLM_CPU_EXPERTS"] = MODES[mode]
     start = time.perf_counter()
     mx.eval(fn())
     return time.perf_counter() - start
@@ -57,20 +63,36 @@ def random_params(module, seed: int = 0):
     mx.eval(module.parameters())
 
 
+MODES = {"gather": "gather", "each": "each", "by_count": ""}  # name -> DLM_CPU_EXPERTS
+
+
 def bench(name: str, fn, repeats: int) -> dict:
-    fn("grouped")  # warm-up (traces the compiled pieces of each path once)
-    fn("gather")
-    runs = {"gather": [], "grouped": []}
+    for mode in MODES:
+        fn(mode)  # warm-up (traces the compiled pieces of each path once)
+    runs = {mode: [] for mode in MODES}
     for _ in range(repeats):
         for mode in runs:
             runs[mode].append(fn(mode))
     row = {mode: {"median_s": statistics.median(t), "range_s": [min(t), max(t)]} for mode, t in runs.items()}
-    row["speedup"] = row["gather"]["median_s"] / row["grouped"]["median_s"]
-    g, d = row["gather"], row["grouped"]
-    print(f"{name:7s} gather {1e3 * g['median_s']:8.1f} ms [{1e3 * g['range_s'][0]:.0f}-{1e3 * g['range_s'][1]:.0f}]"
-          f" | grouped {1e3 * d['median_s']:8.1f} ms [{1e3 * d['range_s'][0]:.0f}-{1e3 * d['range_s'][1]:.0f}]"
-          f" | grouped/gather {row['speedup']:.2f}x", flush=True)
+    best = row["by_count"]["median_s"]
+    row["speedup"] = {mode: row[mode]["median_s"] / best for mode in ("gather", "each")}
+    line = f"{name:7s}"
+    for mode in MODES:
+        m = row[mode]
+        line += f" | {mode} {1e3 * m['median_s']:8.1f} ms [{1e3 * m['range_s'][0]:.0f}-{1e3 * m['range_s'][1]:.0f}]"
+    print(line + "".join(f" | by_count vs {mode} {x:.2f}x" for mode, x in row["speedup"].items()), flush=True)
     return row
+
+
+def compare(fn) -> float:
+    """The largest difference of ``fn()`` between the kernels."""
+    import mlx.core as mx
+
+    outs = []
+    for env in MODES.values():
+        os.environ["DLM_CPU_EXPERTS"] = env
+        outs.append(fn())
+    return max(float(mx.abs(o - outs[0]).max()) for o in outs[1:])
 
 
 def main():
@@ -88,6 +110,7 @@ def main():
 
     from dlm.runtime.models.diffusion_gemma import Model, ModelArgs
     from dlm.runtime.models.diffusion_gemma.layers import Experts
+    from dlm.runtime.models.llada2_moe.model import SwitchGLU
 
     mx.set_default_device(mx.cpu)
     args = ModelArgs.from_config(dict(RELEASED, num_hidden_layers=a.layers, vocab_size=a.vocab))
@@ -99,15 +122,21 @@ def main():
     x = mx.array(rng.standard_normal((256, args.hidden_size)).astype(np.float32))
     idx = mx.array(np.argsort(-rng.standard_normal((256, args.num_experts)), axis=1)[:, :8].astype(np.int32))
     w = mx.softmax(mx.array(rng.standard_normal((256, 8)).astype(np.float32)), axis=-1)
-    os.environ["DLM_CPU_EXPERTS"] = "gather"
-    a_out = experts(x, idx, w)
-    os.environ["DLM_CPU_EXPERTS"] = ""
-    b_out = experts(x, idx, w)
-    diff = float(mx.abs(a_out - b_out).max())
-    print(f"kernel: max |gather - grouped| = {diff:.2e}")
+    diff = compare(lambda: experts(x, idx, w))
+    print(f"kernel: max difference between the kernels {diff:.2e}")
     results["kernel"] = bench("kernel", lambda mode: timed(lambda: experts(x, idx, w), mode), a.repeats)
     results["kernel"]["max_abs_diff"] = diff
     del experts
+
+    glu = SwitchGLU(2048, 512, 256)  # LLaDA2.0-mini's routed experts
+    random_params(glu)
+    x = mx.array(rng.standard_normal((32, 2048)).astype(np.float32))
+    idx = mx.array(np.argsort(-rng.standard_normal((32, 256)), axis=1)[:, :8].astype(np.int32))
+    diff = compare(lambda: glu(x, idx))
+    print(f"llada2: max difference between the kernels {diff:.2e}")
+    results["llada2"] = bench("llada2", lambda mode: timed(lambda: glu(x, idx), mode), a.repeats)
+    results["llada2"]["max_abs_diff"] = diff
+    del glu
 
     model = Model(args)
     random_params(model)
@@ -116,8 +145,8 @@ def main():
     canvas = mx.array(np.arange(256, dtype=np.int32) % a.vocab)
 
     pieces = {}  # each path keeps its own compiled pieces (traced once, in the warm-up)
-    for mode in ("gather", "grouped"):
-        os.environ["DLM_CPU_EXPERTS"] = mode
+    for mode in MODES:
+        os.environ["DLM_CPU_EXPERTS"] = MODES[mode]
         for layer in model.layers:
             object.__setattr__(layer, "_compiled", None)
         pieces[mode] = [layer.compiled() for layer in model.layers]

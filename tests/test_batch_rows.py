@@ -68,9 +68,10 @@ def test_per_sequence_rows():
         rows.per_sequence(13, 3)
 
 
-@pytest.mark.parametrize("grouped_rows", [1, 1000], ids=["grouped", "gather"])
-def test_routed_experts_per_sequence(monkeypatch, grouped_rows):
-    """Experts given a batch of sequences (``sequences``) compute each as alone."""
+@pytest.mark.parametrize("mode", ["", "each", "gather"], ids=["by-count", "by-expert", "gather"])
+def test_routed_experts_per_sequence(monkeypatch, mode):
+    """Experts given a batch of sequences (``sequences``) compute each as alone,
+    through every CPU kernel (DLM_CPU_EXPERTS)."""
     from dlm.runtime.models import switch
     from dlm.runtime.models.diffusion_gemma import ModelArgs
     from dlm.runtime.models.diffusion_gemma.layers import Experts
@@ -78,7 +79,8 @@ def test_routed_experts_per_sequence(monkeypatch, grouped_rows):
     from tests.builders import DG_TEXT
 
     monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
-    monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", grouped_rows)
+    monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
+    monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
     args = ModelArgs.from_config({"model_type": "diffusion_gemma_text", **DG_TEXT})
     experts, glu = Experts(args), SwitchGLU(64, 48, 4)
     from mlx.utils import tree_flatten

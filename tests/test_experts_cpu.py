@@ -1,5 +1,6 @@
-"""The CPU expert kernels: grouped (one dense matmul per expert) and dense (every
-token through all the experts at once) equal gather_mm."""
+"""The CPU expert kernels equal gather_mm: stacked by copy count (float experts:
+one GEMM per expert), one expert at a time (experts dequantized per call) and
+dense (every token through all the experts at once)."""
 
 from __future__ import annotations
 
@@ -25,30 +26,38 @@ def _routing(rows, experts, k, seed=1):
     return mx.array(idx)
 
 
-def _both(monkeypatch, fn):
+def _both(monkeypatch, fn, mode=""):
+    """``fn()`` under DLM_CPU_EXPERTS=``mode`` ("": the default kernels) and under gather_mm."""
     monkeypatch.setenv("DLM_CPU_EXPERTS", "gather")
     want = np.array(fn())
-    monkeypatch.delenv("DLM_CPU_EXPERTS")
+    monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
     return np.array(fn()), want
+
+
+MODES = pytest.mark.parametrize("mode", ["", "each"], ids=["by-count", "by-expert"])
 
 
 @pytest.fixture
 def small_experts_grouped(monkeypatch):
-    """The tiny test experts take the grouped path (its size floor is for speed, not correctness)."""
+    """The tiny test experts take the CPU's own kernels (their size floor is for speed, not correctness)."""
     monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
 
 
 def test_policy(monkeypatch):
     layer = switch.SwitchLinear(1024, 1024, 4)
-    assert switch.grouped(6 * 4, 4, layer) == (mx.default_device() == mx.cpu)
-    assert not switch.grouped(6 * 4 - 1, 4, layer)
-    assert not switch.grouped(10_000, 4, switch.SwitchLinear(256, 256, 4))  # small: one fused gather_mm
+    on_cpu = mx.default_device() == mx.cpu
+    assert switch.stacks(layer) == on_cpu and not switch.grouped(10_000, 4, layer)
+    assert not switch.stacks(switch.SwitchLinear(256, 256, 4))  # small: one fused gather_mm
+    monkeypatch.setenv("DLM_CPU_EXPERTS", "each")  # float experts one at a time, as before by_count
+    assert not switch.stacks(layer)
+    assert switch.grouped(6 * 4, 4, layer) == on_cpu and not switch.grouped(6 * 4 - 1, 4, layer)
     monkeypatch.setenv("DLM_CPU_EXPERTS", "gather")
-    assert not switch.grouped(10_000, 4, layer)
+    assert not switch.stacks(layer) and not switch.grouped(10_000, 4, layer)
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")
-def test_diffusion_gemma_experts_grouped_equal_gather(monkeypatch, small_experts_grouped):
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernels are the CPU backend's")
+@MODES
+def test_diffusion_gemma_experts_grouped_equal_gather(monkeypatch, small_experts_grouped, mode):
     from dlm.runtime.models.diffusion_gemma import ModelArgs
     from dlm.runtime.models.diffusion_gemma.layers import Experts
     from tests.builders import DG_TEXT
@@ -59,20 +68,23 @@ def test_diffusion_gemma_experts_grouped_equal_gather(monkeypatch, small_experts
     x = mx.array(np.random.default_rng(2).standard_normal((64, args.hidden_size)).astype(np.float32))
     idx = _routing(64, args.num_experts, args.top_k_experts)
     w = mx.softmax(mx.array(np.random.default_rng(3).standard_normal((64, 2)).astype(np.float32)), -1)
-    assert switch.grouped(idx.size, args.num_experts, experts.gate_up_proj)
-    got, want = _both(monkeypatch, lambda: experts(x, idx, w))
+    monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
+    assert switch.stacks(experts.gate_up_proj, experts.down_proj) == (mode == "")
+    assert switch.grouped(idx.size, args.num_experts, experts.gate_up_proj) == (mode == "each")
+    got, want = _both(monkeypatch, lambda: experts(x, idx, w), mode)
     assert np.abs(got - want).max() < 1e-5 and np.abs(want).max() > 1e-2
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")
-def test_llada2_switch_glu_grouped_equal_gather(monkeypatch, small_experts_grouped):
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernels are the CPU backend's")
+@MODES
+def test_llada2_switch_glu_grouped_equal_gather(monkeypatch, small_experts_grouped, mode):
     from dlm.runtime.models.llada2_moe.model import SwitchGLU
 
     glu = SwitchGLU(32, 16, 8)
     _random(glu)
     x = mx.array(np.random.default_rng(4).standard_normal((40, 32)).astype(np.float32))
     idx = _routing(40, 8, 2)
-    got, want = _both(monkeypatch, lambda: glu(x, idx))
+    got, want = _both(monkeypatch, lambda: glu(x, idx), mode)
     assert got.shape == (40, 2, 32)
     assert np.abs(got - want).max() < 1e-5 and np.abs(want).max() > 1e-3
 
@@ -110,20 +122,20 @@ def test_llada2_moe_dense_equals_gather(monkeypatch):
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")
 def test_decoder_pass_grouped_equal_gather(monkeypatch, tiny_dg_mlx_dir, small_experts_grouped):
-    """A whole compiled decoder pass whose experts run grouped (canvas 64 x top-2 over 4 experts)."""
+    """A whole compiled decoder pass whose experts run by copy count (canvas 64 x top-2 over 4 experts)."""
     from dlm.runtime import api
 
     def logits():
         loaded = api.load(tiny_dg_mlx_dir)  # a fresh model: compiled pieces follow the policy
         experts = loaded.model.layers[0].experts
-        assert switch.grouped(64 * 2, 4, experts.gate_up_proj, experts.down_proj) == experts.eager
+        assert switch.stacks(experts.gate_up_proj, experts.down_proj) == experts.eager
         cache = loaded.model.make_cache()
         loaded.model.prefill(list(range(3, 40)), cache)
         return loaded.model.decode(mx.array(np.arange(64, dtype=np.int32) % 300 + 3), cache)
 
     got, want = _both(monkeypatch, logits)
     assert np.abs(got - want).max() < 1e-4
-    assert switch.cpu_float_experts(switch.SwitchLinear(8, 8, 4))  # the default run was grouped
+    assert switch.cpu_float_experts(switch.SwitchLinear(8, 8, 4))  # the default run was by_count
 
 
 @pytest.mark.parametrize("spread", [False, True], ids=["one-stream", "spread"])
@@ -158,4 +170,38 @@ def test_by_expert_runs_each_sequence_as_alone_and_each_expert_once(spread):
     assert np.abs(np.array(got) - want).max() < 1e-4
     for s in range(S):
         alone = switch.by_expert(x[s * n:(s + 1) * n], idx[s * n:(s + 1) * n], E, expert_fn, spread)
+        assert mx.array_equal(alone, got[s * n:(s + 1) * n])
+
+
+def test_by_count_runs_each_sequence_as_alone_one_op_per_count():
+    """A batch of sequences through ``by_count``: one ``stack_fn`` call per number
+    of copies an expert got in a sequence, holding every (sequence, expert) group
+    with that count, experts in ascending order and each expert's groups
+    adjacent; the result is the float64 math, and every sequence gets the bits it
+    gets alone."""
+    rng = np.random.default_rng(4)
+    E, K, n, H, O, S = 6, 2, 10, 16, 12, 3
+    w = mx.array(rng.standard_normal((E, O, H)).astype(np.float32))
+    x = mx.array(rng.standard_normal((S * n, H)).astype(np.float32))
+    idx = np.argsort(-rng.standard_normal((S * n, E)), axis=1)[:, :K].astype(np.int32)
+    idx[2 * n:, 0] = 4  # sequence 2 crowds expert 4
+    idx = mx.array(idx)
+    calls = []
+
+    def stack_fn(rows, experts):
+        calls.append((rows.shape[:2], np.array(experts).tolist()))
+        return mx.gather_mm(rows, w.swapaxes(-1, -2), rhs_indices=experts)
+
+    got = switch.by_count(x, idx, stack_fn, sequences=S)
+    counts = [np.bincount(np.array(idx)[s * n:(s + 1) * n].ravel(), minlength=E) for s in range(S)]
+    per_count = {}
+    for s in range(S):
+        for e in np.flatnonzero(counts[s]):
+            per_count.setdefault(int(counts[s][e]), []).append(int(e))
+    assert [c for (_, c), _ in calls] == sorted(per_count) and max(per_count) >= n
+    assert all(experts == sorted(per_count[c]) and g == len(experts) for (g, c), experts in calls)
+    want = np.einsum("nh,nkoh->nko", np.array(x).astype(np.float64), np.array(w).astype(np.float64)[np.array(idx)])
+    assert np.abs(np.array(got) - want).max() < 1e-4
+    for s in range(S):
+        alone = switch.by_count(x[s * n:(s + 1) * n], idx[s * n:(s + 1) * n], stack_fn)
         assert mx.array_equal(alone, got[s * n:(s + 1) * n])

@@ -4,9 +4,11 @@
 ``gather_mm``; the quantized twin uses ``gather_qmm``. CPU strategy: the CPU
 backend's ``gather_mm`` is float32-only, so the loader keeps half-precision
 expert weights in float32 there (``cpu_float32_experts``) and the layer rounds
-its output back to the activation dtype. Quantized experts dequantized per call
-(quantized.py) run grouped like float ones, one expert dequantized at a time,
-once a step for all the sequences of a batch (``by_expert``).
+its output back to the activation dtype. Large float experts run ``by_count``
+(one GEMM per expert, the experts with as many token copies stacked in one
+``gather_mm``); quantized experts dequantized per call (quantized.py) run
+``by_expert``, one expert dequantized at a time, once a step for all the
+sequences of a batch.
 """
 
 from __future__ import annotations
@@ -87,11 +89,18 @@ class QuantizedSwitchLinear(nn.Module):
         return qmm(x, indices)
 
 
-# Grouping pays off from about this many token copies per expert (scripts/bench_experts.py
-# and its LLaDA-2 shapes: 1-2 rows per expert 0.4-0.6x, 8 rows 1.6x, 16 rows 2.5x) and
-# for experts this large (in x out; small experts are cheaper fused in one gather_mm graph).
+# Experts dequantized per call run one expert at a time (by_expert) from about this many token
+# copies per expert (scripts/bench_experts.py and its LLaDA-2 shapes, float32 then: 1-2 rows per
+# expert 0.4-0.6x gather_mm, 8 rows 1.6x, 16 rows 2.5x). The CPU's own kernels take experts this
+# large (in x out; small experts are cheaper fused in one gather_mm graph).
 GROUPED_MIN_ROWS_PER_EXPERT = 6
 GROUPED_MIN_WEIGHT = 1 << 20
+
+
+def _mode() -> str:
+    """DLM_CPU_EXPERTS: "gather" = gather_mm always, "each" = float experts one
+    matmul per expert (by_expert) as before by_count; for benchmarks."""
+    return os.environ.get("DLM_CPU_EXPERTS", "").strip().lower()
 
 
 def _float_like(layer) -> bool:
@@ -109,7 +118,7 @@ def cpu_float_experts(*layers) -> bool:
     """Large float experts on the CPU backend (or quantized ones dequantized per
     call): they run eagerly (outside mx.compile), grouped when ``grouped`` says
     so. DLM_CPU_EXPERTS=gather: gather_mm always (benchmarks)."""
-    if os.environ.get("DLM_CPU_EXPERTS", "").strip().lower() == "gather":
+    if _mode() == "gather":
         return False
     return (mx.default_device() == mx.cpu
             and all(_float_like(layer) for layer in layers)
@@ -125,13 +134,22 @@ def cpu_eager_experts(*layers) -> bool:
     return parallel() and all(isinstance(layer, QuantizedSwitchLinear) for layer in layers)
 
 
+def stacks(*layers) -> bool:
+    """Whether the experts run ``by_count``, whatever the number of token
+    copies: large float experts on the CPU backend (``cpu_float_experts``, not
+    dequantized per call). On Metal/CUDA gather_mm is the fast path and stays
+    inside the compiled graphs."""
+    return (cpu_float_experts(*layers) and all(isinstance(layer, SwitchLinear) for layer in layers)
+            and _mode() != "each")
+
+
 def grouped(rows: int, num_experts: int, *layers) -> bool:
-    """Whether ``rows`` token copies run grouped (one dense matmul per expert,
-    ``by_expert``) rather than through gather_mm: float experts on the CPU
-    backend, where MLX's gather_mm runs at about half its dense matmul's speed,
-    with enough rows per expert for the per-expert matmuls to pay. On
-    Metal/CUDA gather_mm is the fast path and stays inside the compiled graphs."""
-    return cpu_float_experts(*layers) and rows >= GROUPED_MIN_ROWS_PER_EXPERT * num_experts
+    """Whether ``rows`` token copies run one expert at a time (``by_expert``)
+    rather than through gather_qmm: experts dequantized per call on the CPU
+    backend (and float ones under DLM_CPU_EXPERTS=each), with enough rows per
+    expert for the per-expert matmuls to pay."""
+    return (cpu_float_experts(*layers) and not stacks(*layers)
+            and rows >= GROUPED_MIN_ROWS_PER_EXPERT * num_experts)
 
 
 # Below this many weight elements in one projection's whole expert tensor (E x out x in), and
@@ -146,7 +164,7 @@ DENSE_MIN_ROWS = 32
 def dense(rows: int, *layers) -> bool:
     """Whether ``rows`` token positions of one sequence take the dense path: small
     float experts on the CPU backend (DLM_CPU_EXPERTS=gather: never)."""
-    if os.environ.get("DLM_CPU_EXPERTS", "").strip().lower() == "gather":
+    if _mode() == "gather":
         return False
     return (mx.default_device() == mx.cpu and rows >= DENSE_MIN_ROWS
             and all(isinstance(layer, SwitchLinear) for layer in layers)
@@ -190,6 +208,52 @@ def by_expert(x: mx.array, idx: mx.array, num_experts: int, expert_fn, spread: b
     y = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     back = [mx.array(where[s])[mx.argsort(orders[s])] for s in range(sequences)]
     return y[mx.concatenate(back) if sequences > 1 else back[0]].reshape(N, K, -1)
+
+
+def by_count(x: mx.array, idx: mx.array, stack_fn, sequences: int = 1) -> mx.array:
+    """Route each token copy to its expert: ``x`` [N, in], ``idx`` [N, K] ->
+    [N, K, out], one GEMM per expert that has copies, the experts with the same
+    number ``c`` of copies stacked into one op: ``stack_fn(rows [G, c, in],
+    experts [G] uint32) -> [G, c, out]`` (the family's projections, each a
+    ``SwitchLinear`` called with those indices: ``gather_mm``, one GEMM per
+    group).
+
+    Why: MLX's CPU ``gather_mm`` runs one GEMM per batch element, so fed one row
+    per token copy (the gather path) it reads an expert's weight once per copy,
+    and one matmul op per expert (``by_expert``) pays MLX's per-op cost, a
+    gather and a scatter on each of up to 256 experts. At the released shapes
+    (``python -m scripts.bench_experts``) this runs a DiffusionGemma canvas's
+    experts ~2.8x faster than one op per expert and a LLaDA2.0-mini block's
+    ~1.5x faster than the sorted gather.
+
+    ``sequences``: ``x`` holds that many equal-length sequences' rows, in
+    order (batched generation). Each sequence sorts its copies by expert as it
+    does alone, and each (sequence, expert) group is its own GEMM of its own
+    ``c`` rows: the call it makes alone, whatever else shares the op, so a batch
+    gives each sequence its own bits. An expert's groups are adjacent across the
+    sequences, so where they share a count its weight is read from memory once
+    for them. Reads the routing on the host (one sync a call): runs outside
+    mx.compile."""
+    N, K = idx.shape
+    n = per_sequence(N, sequences)
+    ids = np.array(idx).reshape(sequences, n * K)
+    by_copies: dict[int, list] = {}
+    for s in range(sequences):
+        order = np.argsort(ids[s], kind="stable")
+        experts, first, counts = np.unique(ids[s][order], return_index=True, return_counts=True)
+        for e, a, c in zip(experts.tolist(), first.tolist(), counts.tolist()):
+            by_copies.setdefault(c, []).append((e, s, order[a:a + c] + s * n * K))
+    outs, where, done = [], np.empty(N * K, dtype=np.int32), 0
+    for c in sorted(by_copies):
+        groups = sorted(by_copies[c], key=lambda g: g[:2])
+        copies = np.concatenate([g[2] for g in groups])
+        rows = x[mx.array((copies // K).astype(np.int32))].reshape(len(groups), c, -1)
+        y = stack_fn(rows, mx.array([g[0] for g in groups], dtype=mx.uint32))
+        outs.append(y.reshape(len(groups) * c, -1))
+        where[copies] = np.arange(done, done + copies.size)
+        done += copies.size
+    y = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+    return y[mx.array(where)].reshape(N, K, -1)
 
 
 def cpu_float32_experts(model) -> None:

@@ -262,18 +262,22 @@ def test_requests_join_mid_way_and_wait_for_room(loaded, group_sizes):
     assert all(e.done for e in entries) and max(group_sizes) == 2
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")
-@pytest.mark.parametrize("rows_per_expert", [4, 5], ids=["grouped-alone", "gather-alone"])
-def test_grouped_cpu_experts_per_sequence(tiny_dg_mlx_dir, monkeypatch, rows_per_expert, group_sizes):
-    """CPU float experts run grouped when one canvas routes enough rows per expert
-    (8 positions x top-2 over 4 experts: 16 copies). At 4 rows per expert each canvas
-    runs grouped alone; at 5 it runs gather_mm alone although the batch's 64 copies
-    would pass: either way the batch runs each canvas as it runs alone."""
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernels are the CPU backend's")
+@pytest.mark.parametrize("mode,rows_per_expert", [("", 6), ("each", 4), ("each", 5)],
+                         ids=["by-count", "by-expert-alone", "gather-alone"])
+def test_grouped_cpu_experts_per_sequence(tiny_dg_mlx_dir, monkeypatch, mode, rows_per_expert, group_sizes):
+    """CPU float experts run by copy count (8 positions x top-2 over 4 experts: 16
+    copies a canvas). One expert at a time (as experts dequantized per call run)
+    they run when one canvas routes enough rows per expert: at 4 each canvas runs
+    that way alone; at 5 it runs gather_mm alone although the batch's 64 copies
+    would pass. Every way the batch runs each canvas as it runs alone."""
     monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
     monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", rows_per_expert)
+    monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
     fresh = api.load(tiny_dg_mlx_dir)  # compiled pieces follow the policy of their first use
     experts = fresh.model.layers[0].experts
-    assert experts.eager and switch.grouped(16, 4, experts.gate_up_proj) == (rows_per_expert == 4)
+    assert experts.eager and switch.stacks(experts.gate_up_proj) == (mode == "")
+    assert switch.grouped(16, 4, experts.gate_up_proj) == (rows_per_expert == 4)
     options = [{"max_tokens": 16, "max_denoising_steps": 3, "seed": i} for i in range(4)]
     prompts = [SHORT, LONG, SHORT[:5], LONG[:20]]
     want = solo(fresh, prompts, options)

@@ -226,16 +226,21 @@ def test_requests_join_mid_way_and_wait_for_room(loaded, group_sizes):
     assert got == want and max(group_sizes) == 2
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernel is the CPU backend's")
-@pytest.mark.parametrize("rows_per_expert", [2, 3], ids=["grouped-alone", "gather-alone"])
-def test_grouped_cpu_experts_per_sequence(tiny_llada2_mlx_dir, monkeypatch, rows_per_expert):
-    """A block of 8 x top-4 over 16 experts routes 32 copies: at 2 rows per expert each
-    block runs grouped alone, at 3 it runs gather_mm alone although the batch's copies
-    would pass; the batch runs each as it runs alone."""
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernels are the CPU backend's")
+@pytest.mark.parametrize("mode,rows_per_expert", [("", 6), ("each", 2), ("each", 3)],
+                         ids=["by-count", "by-expert-alone", "gather-alone"])
+def test_grouped_cpu_experts_per_sequence(tiny_llada2_mlx_dir, monkeypatch, mode, rows_per_expert):
+    """A block of 8 x top-4 over 16 experts routes 32 copies. By copy count (float
+    experts' default), and one expert at a time (as experts dequantized per call
+    run): at 2 rows per expert each block runs that way alone, at 3 it runs
+    gather_mm alone although the batch's copies would pass. Every way the batch
+    runs each block as it runs alone."""
     monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
     monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", rows_per_expert)
+    monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
     fresh = api.load(tiny_llada2_mlx_dir)
     glu = fresh.model.layers[1].mlp.switch_mlp
+    assert switch.stacks(glu.gate_proj) == (mode == "")
     assert switch.grouped(32, 16, glu.gate_proj) == (rows_per_expert == 2)
     options = [{"max_tokens": 16, "seed": i, "block_length": 8, "temp": 0.5} for i in range(3)]
     assert_step_logits_equal_solo(fresh, PROMPTS[:3], options)

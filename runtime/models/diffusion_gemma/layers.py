@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import ConfigError
 from ..rows import linear, per_sequence
 from ..quantized import per_call
-from ..switch import SwitchLinear, by_expert, cpu_eager_experts, grouped, project
+from ..switch import SwitchLinear, by_count, by_expert, cpu_eager_experts, grouped, project, stacks
 from .config import SLIDING, ModelArgs
 
 
@@ -300,6 +300,10 @@ class Experts(nn.Module):
             outs.append(project(geglu(h[:, : self.inter], h[:, self.inter :]), down))
         return outs
 
+    def _stacked(self, rows: mx.array, experts: mx.array) -> mx.array:
+        h = self.gate_up_proj(rows, experts)
+        return self.down_proj(geglu(h[..., : self.inter], h[..., self.inter :]), experts)
+
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array, sequences: int = 1) -> mx.array:
         """``sequences``: ``x`` holds that many equal-length sequences' rows, in
         order (batched generation): the kernel is the one each would get alone,
@@ -308,7 +312,9 @@ class Experts(nn.Module):
         M = self.inter
         E = self.gate_up_proj["weight"].shape[0]
         each = per_sequence(N, sequences) * K  # token copies of one sequence
-        if grouped(each, E, self.gate_up_proj, self.down_proj):
+        if stacks(self.gate_up_proj, self.down_proj):
+            y = by_count(x, idx, self._stacked, sequences)
+        elif grouped(each, E, self.gate_up_proj, self.down_proj):
             y = by_expert(x, idx, E, self._expert, per_call(self.gate_up_proj), sequences)
         elif each >= 64:
             # Sort token copies by expert so gather_mm reads each expert once.

@@ -15,7 +15,7 @@ from ..base import compile_enabled
 from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, linear, matmul, per_sequence
 from ..quantized import per_call
-from ..switch import SwitchLinear, by_expert, cpu_eager_experts, dense, grouped, project
+from ..switch import SwitchLinear, by_count, by_expert, cpu_eager_experts, dense, grouped, project, stacks
 from ..taps import layer_input
 from .config import ModelArgs
 from .weights import sanitize
@@ -41,6 +41,9 @@ class SwitchGLU(nn.Module):
     def _expert(self, e: int, blocks: list[mx.array]) -> list[mx.array]:
         gate, up, down = (p.expert_weight(e) for p in (self.gate_proj, self.up_proj, self.down_proj))
         return [project(nn.silu(project(rows, gate)) * project(rows, up), down) for rows in blocks]
+
+    def _stacked(self, rows, experts):
+        return self.down_proj(nn.silu(self.gate_proj(rows, experts)) * self.up_proj(rows, experts), experts)
 
     def weighted(self, x, indices, weights):
         """The routed experts' weighted sum, ``x`` [S, n, H] (S sequences of n
@@ -71,7 +74,9 @@ class SwitchGLU(nn.Module):
         T, k = indices.shape
         E = self.gate_proj["weight"].shape[0]
         n = per_sequence(T, sequences)
-        if grouped(n * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one matmul per expert
+        if stacks(self.gate_proj, self.up_proj, self.down_proj):  # one GEMM per expert
+            return by_count(x, indices, self._stacked, sequences)
+        if grouped(n * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one expert at a time
             return by_expert(x, indices, E, self._expert, per_call(self.gate_proj), sequences)
         if n * k >= 64:
             # Sort (token, slot) pairs by expert so each expert's rows are contiguous.
