@@ -1,9 +1,11 @@
 """The routed experts of a batch at the released DiffusionGemma geometry on the
 MLX CPU backend (not a test): B canvases through one ``Experts`` call (the batch
-path: ``switch.by_expert`` takes the experts one after the other across the
-canvases, so an expert's weight is read, or dequantized, once for all of them)
-against the same B canvases one call each (what a batch of B cost before: each
-canvas read every expert's weight again). The two give the same bits, checked.
+path: float experts run ``switch.by_count``, the canvases' groups of one copy
+count in one op, an expert's groups adjacent, so where they share a count its
+weight is read once for them; experts dequantized per call run
+``switch.by_expert``, expert by expert across the canvases, each dequantized
+once for all of them) against the same B canvases one call each. The two give
+the same bits, checked.
 
 One decoder layer's experts: 128 experts top-8, hidden 2816 -> 704, 256 token
 positions a canvas, random weights and routing; float32 (the layer's experts
@@ -68,7 +70,8 @@ def main() -> None:
             experts.down_proj = experts.down_proj.to_quantized(group_size=64, bits=4)
             quantized.mark(experts)
             mx.eval(experts.parameters())
-        assert switch.grouped(L * K, E, experts.gate_up_proj, experts.down_proj), "not the grouped path"
+        layers = experts.gate_up_proj, experts.down_proj
+        assert switch.stacks(*layers) or switch.grouped(L * K, E, *layers), "not the CPU's grouped kernels"
 
         def together():
             return experts(x, idx, w, sequences=B)

@@ -16,6 +16,11 @@ Measured side by side in one process, the kernels interleaved:
   a model with the released text geometry but ``--layers`` layers and a
   ``--vocab`` vocabulary (random weights; the full vocabulary's head is timed
   by scripts/bench_runtime.py).
+* kernel q4 (``--q4``): the kernel's experts in 4 bits, dequantized per call,
+  which run ``by_expert`` (dequantizing one expert at a time, the experts taking
+  turns on the CPU streams) in both non-gather modes: by_count's stacked
+  dequantization measured slower (2.29 vs 1.56 s, a /tmp probe); gather: MLX's
+  single-threaded quantized kernel, split over the CPU streams.
 
     .venv/bin/python -m scripts.bench_experts [--repeats 5] [--layers 2] [--json out.json]
 """
@@ -101,6 +106,8 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--q4", action="store_true",
+                    help="also the kernel in 4 bits dequantized per call (gather: MLX's quantized kernel)")
     a = ap.parse_args()
 
     from dlm.runtime import blas  # first: loads the optimized BLAS ahead of MLX
@@ -109,6 +116,7 @@ def main():
     import numpy as np
 
     from dlm.runtime.models.diffusion_gemma import Model, ModelArgs
+    from dlm.runtime.models import quantized
     from dlm.runtime.models.diffusion_gemma.layers import Experts
     from dlm.runtime.models.llada2_moe.model import SwitchGLU
 
@@ -126,6 +134,15 @@ def main():
     print(f"kernel: max difference between the kernels {diff:.2e}")
     results["kernel"] = bench("kernel", lambda mode: timed(lambda: experts(x, idx, w), mode), a.repeats)
     results["kernel"]["max_abs_diff"] = diff
+    if a.q4:  # the same experts in 4 bits, dequantized per call (the released model on a 24 GB machine)
+        experts.gate_up_proj = experts.gate_up_proj.to_quantized(group_size=64, bits=4)
+        experts.down_proj = experts.down_proj.to_quantized(group_size=64, bits=4)
+        quantized.mark(experts)
+        mx.eval(experts.parameters())
+        diff = compare(lambda: experts(x, idx, w))
+        print(f"kernel q4: max difference between the kernels {diff:.2e}")
+        results["kernel_q4"] = bench("kernel q4", lambda mode: timed(lambda: experts(x, idx, w), mode), a.repeats)
+        results["kernel_q4"]["max_abs_diff"] = diff
     del experts
 
     glu = SwitchGLU(2048, 512, 256)  # LLaDA2.0-mini's routed experts

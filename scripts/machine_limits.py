@@ -101,6 +101,7 @@ def measure(loaded, repeats: int = 3) -> dict:
             # The tokens routed to one expert: the grouped products the runtime runs.
             rows = max(1, L * k // E)
             x = mx.random.normal((L * k, n_in))
+            flops = 2 * L * k * n_out * n_in
             if "bits" in info:
                 w = mx.random.normal((E, n_out, n_in)) * 0.02
                 wq, s, b = mx.quantize(w, group_size=info["group_size"], bits=info["bits"])
@@ -108,11 +109,13 @@ def measure(loaded, repeats: int = 3) -> dict:
                 fn = lambda: split_rows(lambda xx, ii: mx.gather_qmm(  # noqa: E731
                     xx[:, None], wq, s, b, rhs_indices=ii, transpose=True, group_size=info["group_size"],
                     bits=info["bits"], sorted_indices=True), x, idx)
-            else:
-                w = (mx.random.normal((n_out, n_in)) * 0.02).astype(info["dtype"])
-                xe = x[:rows].astype(info["dtype"])
-                fn = lambda: mx.concatenate([xe @ w.T for _ in range(E)])  # noqa: E731
-            flops = 2 * L * k * n_out * n_in
+            else:  # switch.by_count: one GEMM an expert, the experts stacked in one gather_mm
+                n = min(E, 16)  # experts enough to stream from memory, not all of a layer's
+                w = (mx.random.normal((n, n_out, n_in)) * 0.02).astype(info["dtype"])
+                xe = x[: n * rows].reshape(n, rows, n_in).astype(info["dtype"])
+                ids = mx.arange(n, dtype=mx.uint32)
+                fn = lambda: mx.gather_mm(xe, w.swapaxes(-1, -2), rhs_indices=ids)  # noqa: E731
+                flops = 2 * n * rows * n_out * n_in
         else:
             x = mx.random.normal((L, n_in))
             w = mx.random.normal((n_out, n_in)) * 0.02
