@@ -229,7 +229,8 @@ def main():
                 row["limits"] = lim
                 pieces = ", ".join(f"{k} {v['seconds'] * 1000:.0f} ms ({v['rate']})"
                                    for k, v in lim["bound"]["pieces"].items())
-                print(f"      limits: bandwidth read {lim['bandwidth_gbs']['read']} GB/s, GFLOP/s "
+                bw = lim["bandwidth_gbs"]
+                print(f"      limits: read {bw['read']} GB/s (one MLX op), {bw['host_read']} GB/s (all cores), GFLOP/s "
                       + ", ".join(f"{k} {v}" for k, v in lim["gflops"].items())
                       + f"; matrix-product bound {lim['bound']['seconds'] * 1000:.0f} ms/step ({pieces}); "
                       f"dlm's step = {lim['dlm_step_over_bound']:.2f}x the bound", flush=True)

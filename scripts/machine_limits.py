@@ -50,12 +50,39 @@ def _time(fn, repeats: int) -> float:
 
 
 def bandwidth_gbs(gb: float = 0.5, repeats: int = 3) -> dict:
-    """GB/s that one MLX reduction reads and one MLX copy moves (read + write)."""
+    """GB/s that one MLX reduction reads and one MLX copy moves (read + write),
+    each one op on one thread, and ``host_read``: what the cores read together
+    (numpy sums, one thread a core; numpy's loops let go of the GIL). On this
+    project's 2-core machine: ~4.7 GB/s for the MLX op, ~30 for the cores (the
+    bound for weights that several threads stream, as OpenBLAS's do)."""
+    import threading
+
+    import numpy as np
+
+    from dlm.runtime.models.cpu_streams import cores
+
     a = mx.random.uniform(shape=(int(gb * 1e9) // 4,))
     mx.eval(a)
     read = a.nbytes / _time(lambda: a.sum(), repeats) / 1e9
     copy = 2 * a.nbytes / _time(lambda: a * 1.5, repeats) / 1e9
-    return {"read": round(read, 2), "copy": round(copy, 2)}
+    host = np.array(a)
+    parts = np.array_split(host, cores())
+
+    def together():
+        threads = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    together()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        together()
+        times.append(time.perf_counter() - t)
+    host_read = host.nbytes / statistics.median(times) / 1e9
+    return {"read": round(read, 2), "copy": round(copy, 2), "host_read": round(host_read, 2)}
 
 
 def _weights(loaded) -> dict[str, dict]:

@@ -116,8 +116,8 @@ def _expert_size(layer) -> int:
 
 def cpu_float_experts(*layers) -> bool:
     """Large float experts on the CPU backend (or quantized ones dequantized per
-    call): they run eagerly (outside mx.compile), grouped when ``grouped`` says
-    so. DLM_CPU_EXPERTS=gather: gather_mm always (benchmarks)."""
+    call): they run eagerly (outside mx.compile), ``by_count`` (``stacks``) or
+    ``by_expert`` (``grouped``). DLM_CPU_EXPERTS=gather: gather_mm always (benchmarks)."""
     if _mode() == "gather":
         return False
     return (mx.default_device() == mx.cpu
