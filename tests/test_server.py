@@ -288,6 +288,8 @@ def test_many_concurrent_clients_get_the_sequential_answers(served):
         expected = [h.post("/v1/chat/completions", json=body(i)).json()["choices"][0]["message"]["content"]
                     for i in range(len(prompts))]
     assert len(set(expected)) == len(prompts)
+    # A client has its answer once the last item is posted; the worker counts the job just after.
+    assert worker.wait_idle(30)
     served_before = worker.served
 
     def one_client(c):
