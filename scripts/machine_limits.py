@@ -128,8 +128,8 @@ def measure(loaded, repeats: int = 3) -> dict:
             # The tokens routed to one expert: the grouped products the runtime runs.
             rows = max(1, L * k // E)
             x = mx.random.normal((L * k, n_in))
-            flops = 2 * L * k * n_out * n_in
             if "bits" in info:
+                flops = 2 * L * k * n_out * n_in
                 w = mx.random.normal((E, n_out, n_in)) * 0.02
                 wq, s, b = mx.quantize(w, group_size=info["group_size"], bits=info["bits"])
                 idx = mx.sort(mx.random.randint(0, E, (L * k,)))

@@ -300,20 +300,20 @@ class Experts(nn.Module):
             outs.append(project(geglu(h[:, : self.inter], h[:, self.inter :]), down))
         return outs
 
-    def _stacked(self, rows: mx.array, experts: mx.array) -> mx.array:
-        h = self.gate_up_proj(rows, experts)
-        return self.down_proj(geglu(h[..., : self.inter], h[..., self.inter :]), experts)
+    def _through(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        """The experts' MLP through ``gather_mm`` (``SwitchLinear`` with ``indices``)."""
+        h = self.gate_up_proj(x, indices, sorted_indices=sorted_indices)
+        return self.down_proj(geglu(h[..., : self.inter], h[..., self.inter :]), indices, sorted_indices=sorted_indices)
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array, sequences: int = 1) -> mx.array:
         """``sequences``: ``x`` holds that many equal-length sequences' rows, in
         order (batched generation): the kernel is the one each would get alone,
         and grouped experts multiply each sequence's rows on their own (dlm.runtime.models.rows)."""
         N, K = idx.shape
-        M = self.inter
         E = self.gate_up_proj["weight"].shape[0]
         each = per_sequence(N, sequences) * K  # token copies of one sequence
         if stacks(self.gate_up_proj, self.down_proj):
-            y = by_count(x, idx, self._stacked, sequences)
+            y = by_count(x, idx, self._through, sequences)
         elif grouped(each, E, self.gate_up_proj, self.down_proj):
             y = by_expert(x, idx, E, self._expert, per_call(self.gate_up_proj), sequences)
         elif each >= 64:
@@ -322,13 +322,9 @@ class Experts(nn.Module):
             order = mx.argsort(flat)
             inverse = mx.argsort(order)
             ids = flat[order]
-            xs = x[order // K][:, None, :]
-            h = self.gate_up_proj(xs, ids, sorted_indices=True)
-            y = self.down_proj(geglu(h[..., :M], h[..., M:]), ids, sorted_indices=True)
-            y = y[inverse].reshape(N, K, -1)
+            y = self._through(x[order // K][:, None, :], ids, sorted_indices=True)[inverse].reshape(N, K, -1)
         else:
-            h = self.gate_up_proj(x[:, None, None, :], idx)
-            y = self.down_proj(geglu(h[..., :M], h[..., M:]), idx).reshape(N, K, -1)
+            y = self._through(x[:, None, None, :], idx).reshape(N, K, -1)
         # Weighted sum in float32, one cast (transformers' grouped_mm path).
         return (y.astype(mx.float32) * weights[..., None]).sum(axis=1).astype(x.dtype)
 

@@ -42,8 +42,10 @@ class SwitchGLU(nn.Module):
         gate, up, down = (p.expert_weight(e) for p in (self.gate_proj, self.up_proj, self.down_proj))
         return [project(nn.silu(project(rows, gate)) * project(rows, up), down) for rows in blocks]
 
-    def _stacked(self, rows, experts):
-        return self.down_proj(nn.silu(self.gate_proj(rows, experts)) * self.up_proj(rows, experts), experts)
+    def _through(self, x, indices, sorted_indices: bool = False):
+        """The experts' MLP through ``gather_mm`` (``SwitchLinear`` with ``indices``)."""
+        h = nn.silu(self.gate_proj(x, indices, sorted_indices)) * self.up_proj(x, indices, sorted_indices)
+        return self.down_proj(h, indices, sorted_indices)
 
     def weighted(self, x, indices, weights):
         """The routed experts' weighted sum, ``x`` [S, n, H] (S sequences of n
@@ -75,7 +77,7 @@ class SwitchGLU(nn.Module):
         E = self.gate_proj["weight"].shape[0]
         n = per_sequence(T, sequences)
         if stacks(self.gate_proj, self.up_proj, self.down_proj):  # one GEMM per expert
-            return by_count(x, indices, self._stacked, sequences)
+            return by_count(x, indices, self._through, sequences)
         if grouped(n * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one expert at a time
             return by_expert(x, indices, E, self._expert, per_call(self.gate_proj), sequences)
         if n * k >= 64:
@@ -83,14 +85,9 @@ class SwitchGLU(nn.Module):
             flat = indices.reshape(-1)
             order = mx.argsort(flat)
             inverse = mx.argsort(order)
-            xs = x[order // k][:, None, :]
-            idx = flat[order]
-            h = nn.silu(self.gate_proj(xs, idx, True)) * self.up_proj(xs, idx, True)
-            y = self.down_proj(h, idx, True)[:, 0, :]
+            y = self._through(x[order // k][:, None, :], flat[order], sorted_indices=True)[:, 0, :]
             return y[inverse].reshape(T, k, -1)
-        xs = x[:, None, None, :]
-        h = nn.silu(self.gate_proj(xs, indices)) * self.up_proj(xs, indices)
-        return self.down_proj(h, indices)[:, :, 0, :]
+        return self._through(x[:, None, None, :], indices)[:, :, 0, :]
 
 
 class CommittedKVCache:
