@@ -97,6 +97,24 @@ def test_chunked_prefill_is_exact(loaded, tiny_dg_torch):
     assert np.abs(got - ref).max() < TOL
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernels are the CPU backend's")
+@pytest.mark.parametrize("mode", ["", "each"], ids=["by-count", "by-expert"])
+def test_cpu_expert_kernels_match_transformers(tiny_dg_mlx_dir, tiny_dg_torch, monkeypatch, mode):
+    """The tiny experts through the CPU's own kernels (their size floor lowered),
+    prefill, a committed canvas and a decoder step, against transformers."""
+    from dlm.runtime.models import switch
+
+    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
+    monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
+    fresh = api.load(tiny_dg_mlx_dir)  # compiled pieces follow the policy of their first use
+    experts = fresh.model.layers[0].experts
+    assert switch.stacks(experts.gate_up_proj, experts.down_proj) == (mode == "")
+    assert switch.grouped(len(CANVAS), experts.gate_up_proj["weight"].shape[0], experts.gate_up_proj) == (mode == "each")
+    ref = hf_logits(tiny_dg_torch, LONG, [CANVAS, CANVAS2])
+    assert np.abs(mlx_logits(fresh, LONG, [CANVAS, CANVAS2]) - ref).max() < TOL
+
+
 def test_sliding_cache_keeps_window_minus_one(loaded):
     cache = loaded.model.make_cache()
     loaded.model.prefill(LONG, cache)
