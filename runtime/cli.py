@@ -75,6 +75,8 @@ def compute_line(loaded) -> str:
         notes.append(f"{loaded.dequantized} quantized modules dequantized at load")
     if getattr(loaded, "per_call", 0):
         notes.append(f"{loaded.per_call} quantized modules dequantized per call")
+    if getattr(loaded, "relaid", 0):
+        notes.append(f"{loaded.relaid} weights stored [in, out]")
     return f"Compute: {loaded.compute_dtype}" + (f" ({', '.join(notes)}, for the CPU backend)" if notes else "")
 
 

@@ -31,6 +31,7 @@ class LoadedModel:
     upcast: bool = False  # half-precision weights were upcast to float32 for the CPU backend
     dequantized: int = 0  # quantized modules dequantized to float32 at load (CPU backend)
     per_call: int = 0  # quantized modules dequantized per call (CPU backend; models/quantized.py)
+    relaid: int = 0  # float weights stored [in, out] for the CPU's BLAS (models/layout.py)
     # The family's image processor, built on first use (api.image_processor).
     image_processor: Any = None
 
@@ -274,6 +275,11 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
         from .models.switch import cpu_float32_experts
 
         cpu_float32_experts(model)
+    relaid = 0
+    if on_cpu:  # large float weights stored [in, out]: the CPU's BLAS runs them untransposed
+        from .models.layout import cpu_layout
+
+        relaid = cpu_layout(model)
     model.eval()
     mx.eval(model.parameters())
 
@@ -281,7 +287,7 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
     tok = load_tokenizer(path, trust_remote_code) if tokenizer else None
     dtype = str(model.dtype).replace("mlx.core.", "")
     return LoadedModel(path, config, args, family, model, tok, generation_config, source, dtype, upcast,
-                       dequantized, per_call)
+                       dequantized, per_call, relaid)
 
 
 __all__ = ["LoadedModel", "load", "DlmError"]

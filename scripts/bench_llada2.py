@@ -86,12 +86,15 @@ def build(work: Path, size: str, dtype: str, release_layers: int = 2) -> Path:
     return out
 
 
-def run_dlm(loaded, prompt_ids, s):
+def run_dlm(loaded, prompt_ids, s, every_position: bool = False):
+    """dlm's block loop; ``every_position``: its head and sampler on every
+    position of a block, not only the masked ones (an ``on_step`` hook asks
+    for that: as dlm ran before 2026-12-04)."""
     from dlm.runtime.models.llada2_moe.generate import Settings, stream_generate
 
     settings = Settings(mask_token_id=loaded.args.mask_token_id, eos_token_ids=(), max_tokens=s["max_tokens"],
                         block_length=s["block_length"], steps=s["steps"], threshold=s["threshold"],
-                        editing_threshold=None)
+                        editing_threshold=None, on_step=(lambda *_: None) if every_position else None)
     start = time.perf_counter()
     tokens, final = [], None
     for event in stream_generate(loaded, prompt_ids, settings, stop_ids=[]):
@@ -164,6 +167,8 @@ def main():
     ap.add_argument("--peer", default=str(ROOT / ".peer"))
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--release-layers", type=int, default=2, help="layers of --sizes release (layer 0 is dense)")
+    ap.add_argument("--every-position", action="store_true",
+                    help="also time dlm with its head on every position of a block (before 2026-12-04)")
     a = ap.parse_args()
 
     from dlm.runtime import api, blas  # first: loads the optimized BLAS ahead of MLX
@@ -185,6 +190,8 @@ def main():
             for steps in a.steps:
                 s = dict(max_tokens=a.max_tokens, block_length=a.block_length, steps=steps, threshold=a.threshold)
                 tools = {"dlm": lambda: run_dlm(loaded, prompt_ids, s)}
+                if a.every_position:
+                    tools["dlm every position"] = lambda: run_dlm(loaded, prompt_ids, s, every_position=True)
                 if vmodel is not None:
                     tools["mlx-vlm"] = lambda: run_vlm(vmodel, prompt_ids, s, mask_id)
                 warm_up(tools)
@@ -212,6 +219,7 @@ def main():
 
     command = " ".join([Path(sys.executable).name, "-m", __spec__.name] + sys.argv[1:])
     meta = {"command": command, "mlx": mx.__version__, "blas": blas.STATUS,
+            "cpu_layout": os.environ.get("DLM_CPU_LAYOUT", "") or "default",
             "mlx_vlm": vlm_version, "device": str(mx.default_device()), "machine": platform.machine(),
             "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens, "repeats": a.repeats}
     print(json.dumps(meta))

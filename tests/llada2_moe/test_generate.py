@@ -104,6 +104,34 @@ def test_early_block_stop_keeps_the_output(base):
     assert sum(events[-1].stats.steps_per_block) == len(late_trace)
 
 
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_head_runs_on_the_masked_positions_only(base, monkeypatch, temp):
+    """Each step's head (and sampler) sees the block's masked positions only;
+    the run equals the hub's, and the whole-block run (``on_step`` asks for
+    every position), step for step."""
+    ref, loaded = base
+    ids = prompt(13, 6)
+    rows = []
+    head = loaded.model.head
+    monkeypatch.setattr(loaded.model, "head", lambda h: rows.append(h.shape[1]) or head(h))
+    kw = dict(max_tokens=35, block_length=16, steps=16, threshold=0.9, seed=5, temperature=temp)
+    got, trace, _ = run_mlx(loaded, ids, settings(**kw))
+    # Before each step: the block's generated positions (from 13) not yet revealed.
+    masked, block = [], None
+    for b, _, positions, _ in trace:
+        if b != block:
+            block, left = b, 16 - max(13 - 16 * b, 0)
+        masked.append(left)
+        left -= len(positions)
+    assert rows == masked and rows[0] == 3 and min(rows) < 16 and max(rows) == 16
+    rows.clear()
+    full, full_trace, _ = run_mlx(loaded, ids, settings(**kw, on_step=lambda *a: None))
+    assert set(rows) == {16} and len(rows) == len(trace)
+    assert full == got and full_trace == trace
+    want, want_trace = run_ref(ref, ids, gen=35, bl=16, steps=16, thr=0.9, temp=temp, seed=5, early_stop=True)
+    assert got == want and trace == want_trace
+
+
 def test_eos_mid_block_stops_after_that_block(base):
     ref, loaded = base
     ids = prompt(10, 4)

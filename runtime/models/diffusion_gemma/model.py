@@ -237,6 +237,12 @@ class Model(nn.Module):
     def dtype(self) -> mx.Dtype:
         return self.model.decoder.dtype
 
+    def product_rows(self) -> dict:
+        """Rows per product of a denoising forward (the CPU weight layout, layout.py):
+        a canvas's positions, and its token copies per routed expert."""
+        a = self.args
+        return {"linear": a.canvas_length, "experts": a.canvas_length * a.top_k_experts / a.num_experts}
+
     def make_cache(self) -> list[PrefixCache]:
         keep = self.args.sliding_window - 1
         return [PrefixCache(keep if t == SLIDING else None) for t in self.args.layer_types]

@@ -8,7 +8,9 @@ and block length ([finished block ; active block] on a block's first step, the
 active block after) go through one forward with a batch axis
 (dlm.runtime.models.rows keeps every matmul per sequence; each sequence
 attends to its own cache under its own block-causal mask, at its own
-positions). The requests' per-step flags ("is the block final", the 2.1 edit
+positions), and each request's head runs on its own rows: a 2.0 block's
+masked positions (``Forward.rows``), which are all it reveals. The requests'
+per-step flags ("is the block final" and the masked positions, the 2.1 edit
 counts) are read in one host sync per step.
 
 ``Member`` is the one implementation of a block (2.0 denoising, 2.1 editing):
@@ -40,10 +42,13 @@ from .trace import BlockTracer
 
 @dataclass
 class Forward:
-    """A window to run: ids [L] at the cache's offset, under ``mask``."""
+    """A window to run: ids [L] at the cache's offset, under ``mask``; the
+    head's logits for the block's ``rows`` only (its masked positions), or
+    for all its positions (None)."""
 
     ids: mx.array
     mask: Optional[mx.array]
+    rows: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -52,8 +57,9 @@ class Reveal:
     (``reveal_rows``; blocks of one ``kind`` are answered in one graph)."""
 
     kind: tuple
-    logits: mx.array  # [bl, V], before the logit bias
+    logits: mx.array  # [bl, V] (or [len(rows), V]), before the logit bias
     uniforms: Optional[np.ndarray]  # [bl], this block's own draws
+    rows: Optional[np.ndarray]  # the positions ``logits`` belong to; None: all
     block: mx.array
     in_gen: mx.array  # [bl] bool: generated positions
     threshold: float
@@ -62,15 +68,19 @@ class Reveal:
 
 
 def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
-    """(tokens, confidences, written, new block, final?) for each request: the
-    denoising step of generate.py's 2.0 loop over a batch axis. Every row is
-    computed on its own (row-wise sampling, integer rules), so a block gets the
-    same values in any batch; ``session`` is any member's (all share the kind)."""
+    """(tokens, confidences, written, new block, final?, masked) for each
+    request: the denoising step of generate.py's 2.0 loop over a batch axis.
+    Every row is computed on its own (row-wise sampling, integer rules), so a
+    block gets the same values in any batch; ``session`` is any member's (all
+    share the kind). A request with ``rows`` has sampled those positions only:
+    the others keep their token, with no confidence (they are not masked, so
+    nothing reveals them)."""
     s, bl = session.s, session.bl
-    logits = mx.stack([r.logits for r in reqs])
+    compact = any(r.rows is not None for r in reqs)
+    logits = mx.concatenate([r.logits for r in reqs]) if compact else mx.stack([r.logits for r in reqs])
     rows = [logits.reshape(-1, logits.shape[-1])]
     if session.needs_uniforms:
-        rows.append(mx.array(np.concatenate([r.uniforms for r in reqs])))
+        rows.append(mx.array(np.concatenate([r.uniforms if r.rows is None else r.uniforms[r.rows] for r in reqs])))
 
     # Over the vocabulary: numpy's threads at scale (cpu_vocab.py: decided by one
     # block's size, as alone), else rows split over the CPU streams where the
@@ -83,8 +93,15 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
         return sample(logits, s, u, host)
 
     scored = score(*rows) if host else split_rows(score, *rows, min_piece_bytes=VOCAB_MIN_PIECE_BYTES)
-    tok, conf = (a.reshape(len(reqs), bl) for a in scored)
     block, in_gen = mx.stack([r.block for r in reqs]), mx.stack([r.in_gen for r in reqs])
+    if compact:  # back to [n, bl]: the sampled rows at their positions
+        at = mx.array(np.concatenate([i * bl + (np.arange(bl) if r.rows is None else r.rows)
+                                      for i, r in enumerate(reqs)]).astype(np.int32))
+        tok, conf = block.reshape(-1).astype(scored[0].dtype), mx.full((len(reqs) * bl,), -mx.inf)
+        tok[at], conf[at] = scored
+        tok, conf = tok.reshape(len(reqs), bl), conf.reshape(len(reqs), bl)
+    else:
+        tok, conf = (a.reshape(len(reqs), bl) for a in scored)
     active = (block == s.mask_token_id) & in_gen
     threshold = mx.array([[r.threshold] for r in reqs], dtype=mx.float32)
     write = reveal(active, conf, threshold, mx.array([[r.quota] for r in reqs]))
@@ -99,7 +116,7 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
         done = done | (mx.min(mx.where(is_stop, pos, bl), axis=-1) < first_mask)
     elif not s.early_stop:
         done = ~masked.any(-1)
-    return [(tok[i], conf[i], write[i], block[i], done[i]) for i in range(len(reqs))]
+    return [(tok[i], conf[i], write[i], block[i], done[i], masked[i]) for i in range(len(reqs))]
 
 
 @dataclass
@@ -150,8 +167,7 @@ class Member:
         if frontier is not None:  # structured output (runs alone, never batched)
             block, steps, cancelled = yield from denoise_structured(self, b, start, block, gen_from, need)
         elif s.editing is None:
-            in_gen = mx.arange(bl) >= gen_from
-            block, steps, cancelled = yield from self._denoise(b, start, block, in_gen, need)
+            block, steps, cancelled = yield from self._denoise(b, start, block, gen_from, need)
         else:
             block, steps, cancelled = yield from self._edit(b, start, block, gen_from)
         if s.tracer is not None:
@@ -184,22 +200,34 @@ class Member:
         tok, conf = sample(logits, s.s, u)
         return tok, conf, logits, u
 
-    def _denoise(self, b: int, start: int, block, in_gen, need: int):
-        """LLaDA2.0: up to ``steps`` steps, each revealing >= its quota."""
+    def _denoise(self, b: int, start: int, block, gen_from: int, need: int):
+        """LLaDA2.0: up to ``steps`` steps, each revealing >= its quota.
+
+        The head and the sampler run on the block's masked positions only (the
+        others are never revealed, so their logits are not needed): their
+        positions come back with each step's host read. ``on_step`` and
+        ``--trace``, which show every position, get the whole block."""
         s = self.session
+        in_gen = mx.arange(s.bl) >= gen_from
+        rows = None  # every position
+        if s.s.on_step is None and s.tracer is None:
+            rows = gen_from + np.flatnonzero(s.x[start + gen_from:start + s.bl] == s.s.mask_token_id)
         for step in range(s.steps):
             if s.cancel is not None and s.cancel():
                 return block, step, True
-            logits = yield self._window(start, block)
+            logits = yield self._window(start, block, rows)
             if s.s.on_step is not None:
                 s.s.on_step(b, step, logits)
             u = s.uniforms(s.bl) if s.needs_uniforms else None
             threshold = s.s.step_threshold(step, s.steps)
-            tok, conf, write, block, done = yield Reveal(self.kind(), logits, u, block, in_gen, threshold,
-                                                         s.quota[step], need)
+            tok, conf, write, block, done, masked = yield Reveal(self.kind(), logits, u, rows, block, in_gen,
+                                                                 threshold, s.quota[step], need)
             s._trace(b, step, start, write, tok, block, conf)
-            if (yield Sync(done)):
+            flags = yield Sync(mx.concatenate([done[None], masked]))  # final?, then the masked positions
+            if flags[0]:
                 return block, step + 1, False
+            if rows is not None:
+                rows = np.flatnonzero(flags[1:])
         return block, s.steps, False
 
     def kind(self) -> tuple:
@@ -246,14 +274,14 @@ class Member:
 
     # -- the model call, split around the (shared) forward -------------------------
 
-    def _window(self, start: int, block) -> Forward:
+    def _window(self, start: int, block, rows: Optional[np.ndarray] = None) -> Forward:
         s = self.session
         if s.cache is None:  # the full recompute (tests): a forward of its own
             ids = mx.concatenate([s.committed[:start], block])
-            return Forward(ids, block_causal_mask(0, start + s.bl, 0, s.bl))
+            return Forward(ids, block_causal_mask(0, start + s.bl, 0, s.bl), rows)
         offset = s.cache[0].offset
         ids = block if s.pending is None else mx.concatenate([s.pending, block])
-        return Forward(ids, block_causal_mask(offset, ids.shape[0], offset, s.bl))
+        return Forward(ids, block_causal_mask(offset, ids.shape[0], offset, s.bl), rows)
 
     def forwarded(self) -> None:
         """After the forward that read the window: the finished block is committed to the cache."""
@@ -273,7 +301,8 @@ def run_alone(member: Member, remaining: int) -> Block:
     while member.busy:
         request = member.request
         if isinstance(request, Forward):
-            logits = s.model(request.ids[None], s.cache, request.mask, last=s.bl, compiled=s.cache is not None)
+            logits = s.model(request.ids[None], s.cache, request.mask, last=s.bl, compiled=s.cache is not None,
+                             rows=_index(request.rows))
             member.forwarded()
             member.resume(logits[0])
         elif isinstance(request, Reveal):
@@ -340,20 +369,32 @@ class Batch:
             bl = sessions[0].bl
             if len(idx) == 1:  # alone: exactly the solo call
                 s, r = sessions[0], reqs[0]
-                logits = self.model(r.ids[None], s.cache, r.mask, last=bl, compiled=s.cache is not None)
+                logits = self.model(r.ids[None], s.cache, r.mask, last=bl, compiled=s.cache is not None,
+                                    rows=_index(r.rows))
             else:
                 logits = forward(self.model, mx.stack([r.ids for r in reqs]), [s.cache for s in sessions],
-                                 [r.mask for r in reqs], bl)
+                                 [r.mask for r in reqs], bl, [r.rows for r in reqs])
             for j, i in enumerate(idx):
                 out[i] = logits[j]
         return out
 
 
-def forward(model, ids: mx.array, caches: list[list], masks: list, last: int) -> mx.array:
+def _index(rows: Optional[np.ndarray]) -> Optional[mx.array]:
+    return None if rows is None else mx.array(rows.astype(np.int32))
+
+
+def forward(model, ids: mx.array, caches: list[list], masks: list, last: int,
+            rows: Optional[list] = None) -> mx.array:
     """Model.__call__ for B equal-length windows [B, L], each on its own cache
-    under its own mask, its layers' pieces compiled as alone: float32 logits [B, last, V]."""
+    under its own mask, its layers' pieces compiled as alone: float32 logits
+    [B, last, V]; with ``rows`` (one entry per window: its positions, or None),
+    a list of each window's logits, its head run on its rows as alone."""
     h = model.model.word_embeddings(ids)
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
     for i, layer in enumerate(model.model.layers):
         h = layer(h, offsets, masks, [c[i] for c in caches], model.compile)
-    return model.head(model.model.norm(h[:, -last:]))
+    h = h[:, -last:]
+    if rows is None or all(r is None for r in rows):
+        return model.head(model.model.norm(h))
+    return [model.head(model.model.norm(h[j:j + 1] if r is None else h[j:j + 1, _index(r)]))[0]
+            for j, r in enumerate(rows)]

@@ -18,6 +18,7 @@ from ..quantized import per_call
 from ..switch import SwitchLinear, by_count, by_expert, cpu_eager_experts, dense, grouped, project, stacks
 from ..taps import layer_input
 from .config import ModelArgs
+from .options import BLOCK_LENGTH
 from .weights import sanitize
 
 
@@ -394,12 +395,19 @@ class Model(nn.Module):
         emb = self.model.word_embeddings
         return (emb["scales"] if "scales" in emb else emb["weight"]).dtype
 
+    def product_rows(self) -> dict:
+        """Rows per product of a denoising forward (the CPU weight layout, layout.py):
+        a default block's positions, and its token copies per routed expert."""
+        a = self.args
+        return {"linear": BLOCK_LENGTH, "experts": BLOCK_LENGTH * a.num_experts_per_tok / a.num_experts}
+
     def make_cache(self, capacity: int) -> list[CommittedKVCache]:
         return [CommittedKVCache(capacity) for _ in self.model.layers]
 
     def __call__(self, inputs, cache=None, mask=None, last: Optional[int] = None,
-                 collect: Optional[list] = None, compiled: bool = False):
-        """float32 logits of ``inputs`` [B, L] (the last ``last`` positions only).
+                 collect: Optional[list] = None, compiled: bool = False, rows: Optional[mx.array] = None):
+        """float32 logits of ``inputs`` [B, L] (the last ``last`` positions only;
+        of those, only ``rows``, an index array, when given: the head runs on them alone).
 
         ``mask``: None (bidirectional), or a boolean/additive array over
         [L, cached + L]. Positions start at the cache offset. ``collect``: a
@@ -419,6 +427,8 @@ class Model(nn.Module):
                 collect.append(h)
         if last is not None:
             h = h[:, -last:]
+        if rows is not None:
+            h = h[:, rows]
         return self.head(self.model.norm(h))
 
     def head(self, h):
