@@ -82,6 +82,7 @@ def _relay_tiny(monkeypatch):
     monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
     monkeypatch.setattr(layout, "MIN_LINEAR", 1)
     monkeypatch.setattr(layout, "MAX_EXPERT_COPIES", 1000)
+    monkeypatch.setattr(layout.blas, "STATUS", "/an/optimized/libopenblas.so.0")  # as setup.sh leaves it
 
 
 def test_relaid_llada2_generates_the_references_tokens(hub, monkeypatch):

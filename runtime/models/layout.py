@@ -20,7 +20,9 @@ So a weight is relaid where the family's denoising forward gives it few rows
 per expert, and float linears of at least ``MIN_LINEAR`` elements (a
 vocabulary head) at most ``MAX_LINEAR_ROWS`` rows. Quantized modules,
 embeddings and a tied head (whose rows the embedding lookup reads) keep the
-checkpoint's order, and so do Metal and CUDA (their kernels are tuned for it).
+checkpoint's order, and so do Metal and CUDA (their kernels are tuned for it),
+and a CPU without the optimized BLAS dlm loads on Linux (blas.py: the order
+was measured with OpenBLAS only).
 
 Nothing else changes: each weight keeps its shape, [out, in] or [E, out, in],
 as a strided view of the [in, out] buffer (``relaid``), so every product,
@@ -37,6 +39,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import blas
 from .switch import SwitchLinear, stacks
 
 MIN_LINEAR = 1 << 26  # weight elements: an untied head (LLaDA2.0-mini's 157184 x 2048), not a layer's projection
@@ -66,10 +69,18 @@ def wants(module, rows: dict) -> bool:
             and rows.get("linear", float("inf")) <= MAX_LINEAR_ROWS)
 
 
+def measured() -> bool:
+    """Whether this process runs the BLAS the layout was measured with (blas.py
+    loaded an optimized one), and DLM_CPU_LAYOUT does not say ``native``."""
+    if os.environ.get("DLM_CPU_LAYOUT", "").strip().lower() == "native":
+        return False
+    return blas.STATUS not in ("off", "reference")
+
+
 def cpu_layout(model) -> int:
     """Relay every weight ``wants`` picks, one module at a time (the peak stays
     one weight above the model); returns how many."""
-    if os.environ.get("DLM_CPU_LAYOUT", "").strip().lower() == "native":
+    if not measured():
         return 0
     rows = model.product_rows() if hasattr(model, "product_rows") else {}
     n = 0
