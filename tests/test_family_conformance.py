@@ -102,6 +102,13 @@ def test_hf_to_mlx_to_hf_round_trip_is_exact(family_case):
 # -- logits and commit streams against the reference ---------------------------------
 
 
+def test_the_model_declares_its_product_rows(family_case):
+    """The CPU weight layout (runtime/models/layout.py) reads how many rows a
+    denoising forward gives the linears and each routed expert."""
+    rows = api.load(family_case[3]).model.product_rows()
+    assert set(rows) == {"linear", "experts"} and all(v > 0 for v in rows.values())
+
+
 def test_float32_logits_match_the_reference(family_case):
     family, _, src, mlx_dir = family_case
     adapter = family.reference()

@@ -4,8 +4,9 @@ Checkpoints store a linear's weight [out, in] (experts [E, out, in]) and the
 model multiplies by its transpose: on the CPU that is a ``cblas_sgemm`` with a
 transposed B, which OpenBLAS (0.3.21, this project's CPU) packs before its
 kernel. With few rows per product that packing is much of the time; stored
-[in, out], the same call runs untransposed and gives the same bits. With
-many rows it can be slower. Measured by ``python -m scripts.bench_layout``
+[in, out], the same call runs untransposed, with the same bits at the sizes
+relaid here (at tiny sizes OpenBLAS's small-matrix kernels differ in the last
+bits: tests/test_layout.py). With many rows it can be slower. Measured by ``python -m scripts.bench_layout``
 (and /tmp probes of single gather_mm calls):
 
 * LLaDA2.0-mini's untied head over 157184 tokens: 1.27x at a block's 32 rows,
@@ -29,7 +30,8 @@ as a strided view of the [in, out] buffer (``relaid``), so every product,
 slice and shape check reads it as before; MLX's matmul and gather_mm take
 either memory order without a copy.
 
-``DLM_CPU_LAYOUT=native`` keeps the checkpoint's order (for A/B runs).
+``DLM_CPU_LAYOUT=native`` keeps the checkpoint's order (for A/B runs); it and
+``DLM_CPU_EXPERTS`` (switch.py) are read at load.
 """
 
 from __future__ import annotations
