@@ -164,3 +164,29 @@ def test_a_batch_dequantized_per_call_equals_each_request_alone(q4, per_call_eve
                 "diffusion_min_canvas_length": 2} for i, n in enumerate([5, 7, 5])]
     assert_step_logits_equal_solo(loaded, prompts, options)
     assert {"expert", "slice"} <= set(per_call_everywhere)
+
+
+def test_a_llada2_batch_shares_its_heads_dequantization(q4, per_call_everywhere, monkeypatch):
+    """LLaDA-2's requests run their heads on their own masked rows: in a batch
+    each head slice is still dequantized once a step for all of them, and each
+    request gets what it gets alone."""
+    from tests.llada2_moe.test_batch import PROMPTS, summary
+
+    loaded = api.load(q4["llada2_moe"])
+    head = loaded.model.lm_head
+    assert quantized.per_call(head)
+    reads = []
+    real = quantized.dequantized  # the fixture's counter
+
+    def counted(module, *args, **kwargs):
+        reads.append(module is head)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(quantized, "dequantized", counted)
+    prompts = PROMPTS[:3]
+    options = [{"max_tokens": 24, "seed": i, "block_length": 8, "temp": 0.5} for i in range(3)]
+    want = [summary(api.generate(loaded, p, o)) for p, o in zip(prompts, options)]
+    alone = sum(reads)
+    reads.clear()
+    assert [summary(r) for r in api.generate_batch(loaded, prompts, options)] == want
+    assert 0 < sum(reads) < 0.75 * alone

@@ -76,7 +76,7 @@ def dequantized(module, start: int = None, stop: int = None, expert: int = None,
         w, scales = w[start:stop], scales[start:stop]
         biases = None if biases is None else biases[start:stop]
     if after is not None:
-        w, scales = mx.depends([w, scales], [after])
+        w, scales = mx.depends([w, scales], after if isinstance(after, list) else [after])
     out = mx.dequantize(w, scales, biases, group_size=module.group_size, bits=module.bits, mode=module.mode)
     return out.astype(mx.float32)
 
@@ -112,14 +112,24 @@ def linear(module, x: mx.array) -> mx.array:
     """``x @ W.T`` (+ bias) of a quantized linear or a tied quantized embedding
     (``as_linear``), the weight dequantized per output slice; one GEMM per
     sequence of a batch. Output in ``x``'s dtype."""
+    return linear_each(module, [x])[0]
+
+
+def linear_each(module, xs: list[mx.array]) -> list[mx.array]:
+    """``linear`` of each of ``xs`` (inputs of any row counts, a batch's
+    sequences that cannot stack: LLaDA-2's masked rows), each output slice
+    dequantized once for all of them; each input gets the GEMMs it gets alone."""
     from .rows import matmul
 
-    xf = x.astype(mx.float32)
-    parts = _pieces(module, lambda a, b, w: matmul(xf, w.T))
-    y = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    if "bias" in module:
-        y = y + module["bias"].astype(mx.float32)
-    return y.astype(x.dtype)
+    xfs = [x.astype(mx.float32) for x in xs]
+    parts = _pieces(module, lambda a, b, w: [matmul(xf, w.T) for xf in xfs])
+    out = []
+    for j, x in enumerate(xs):
+        y = mx.concatenate([p[j] for p in parts], axis=-1) if len(parts) > 1 else parts[0][j]
+        if "bias" in module:
+            y = y + module["bias"].astype(mx.float32)
+        out.append(y.astype(x.dtype))
+    return out
 
 
 def embedding_matmul(module, p: mx.array) -> mx.array:

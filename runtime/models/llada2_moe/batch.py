@@ -396,5 +396,5 @@ def forward(model, ids: mx.array, caches: list[list], masks: list, last: int,
     h = h[:, -last:]
     if rows is None or all(r is None for r in rows):
         return model.head(model.model.norm(h))
-    return [model.head(model.model.norm(h[j:j + 1] if r is None else h[j:j + 1, _index(r)]))[0]
-            for j, r in enumerate(rows)]
+    return [y[0] for y in model.heads([model.model.norm(h[j:j + 1] if r is None else h[j:j + 1, _index(r)])
+                                       for j, r in enumerate(rows)])]

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from ..base import compile_enabled
 from ..cpu_streams import split_positions, splits
 from ..rows import as_linear, linear, matmul, per_sequence
-from ..quantized import per_call
+from ..quantized import linear_each, per_call, wants
 from ..switch import SwitchLinear, by_count, by_expert, cpu_eager_experts, dense, grouped, project, stacks
 from ..taps import layer_input
 from .config import ModelArgs
@@ -442,6 +442,17 @@ class Model(nn.Module):
 
         out = split_positions(project, h) if splits(module) else project(h)
         return out.astype(mx.float32)
+
+    def heads(self, hs: list[mx.array]) -> list[mx.array]:
+        """``head`` of each of ``hs`` (a batch's sequences, each with its own
+        rows), each as alone; a head dequantized per call dequantizes each
+        vocabulary slice once for all of them that take that path."""
+        module = self.model.word_embeddings if self.args.tie_word_embeddings else self.lm_head
+        shared = [i for i, h in enumerate(hs) if wants(module, h)]
+        out = [None if i in shared else self.head(h) for i, h in enumerate(hs)]
+        for i, y in zip(shared, linear_each(module, [hs[i] for i in shared]) if shared else []):
+            out[i] = y.astype(mx.float32)
+        return out
 
     @staticmethod
     def sanitize(weights: dict) -> dict:
