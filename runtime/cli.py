@@ -54,8 +54,14 @@ def profile_lines(stats, loaded=None) -> list[str]:
     if stats.image_tokens:  # the vision encoder apart from the text prefill (prompt_seconds excludes it)
         cached += f", {stats.image_tokens} of them image soft tokens"
         images = [f"Vision encoder: {stats.vision_seconds:.3f} s for {stats.image_tokens} image soft tokens"]
+    rate = f"{stats.prompt_tps:.3f} tokens-per-sec"
+    if stats.deferred_prompt_tokens:  # computed with the first block's forwards, not in the prefill's time
+        prefilled = stats.prompt_tokens - stats.cached_prompt_tokens - stats.deferred_prompt_tokens
+        rate = (f"{stats.deferred_prompt_tokens} in the first block's forwards, "
+                + (f"{prefilled / stats.prompt_seconds:.3f} tokens-per-sec for the {prefilled} prefilled"
+                   if prefilled > 0 and stats.prompt_seconds else "none prefilled"))
     return images + [
-        f"Prompt: {stats.prompt_tokens} tokens{cached}, {stats.prompt_tps:.3f} tokens-per-sec",
+        f"Prompt: {stats.prompt_tokens} tokens{cached}, {rate}",
         f"Generation: {stats.completion_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec",
         f"{_PLURAL.get(stats.block_name, stats.block_name)}: {len(steps)}, denoising steps per {stats.block_name}: "
         f"{steps} (mean {mean:.1f}), "

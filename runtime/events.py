@@ -20,6 +20,9 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     block_name: str = "canvas"  # what steps_per_block counts: "canvas" or "block"
     cached_prompt_tokens: int = 0  # prompt tokens served from a kept prefix cache (chat)
+    # Prompt tokens computed with the first block's denoising forwards rather than in the
+    # prefill (LLaDA-2: the prompt's last, partial block), so not in prompt_seconds.
+    deferred_prompt_tokens: int = 0
     # Images: the vision encoder's time (not in prompt_seconds) and the soft tokens
     # the images became (counted in prompt_tokens).
     vision_seconds: float = 0.0

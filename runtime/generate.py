@@ -122,6 +122,7 @@ class Progress:
         stats.image_tokens = getattr(session, "image_tokens", 0)
         stats.prompt_seconds = seconds - stats.vision_seconds
         stats.cached_prompt_tokens = getattr(session, "cached_tokens", 0)
+        stats.deferred_prompt_tokens = getattr(session, "deferred_prompt_tokens", 0)
 
     def commit(self, block: Block) -> Optional[GenerationEvent]:
         """Take one block the session finished: its event, or None when it was

@@ -55,6 +55,15 @@ def test_generate_llada_flags_and_profile(converted):
     assert again.exit_code == 0
     first_line = [ln for ln in r.output.splitlines() if not ln.startswith(("Prompt:", "Generation:", "Blocks:", "Tokens per", "Peak"))]
     assert again.output.strip() in "\n".join(first_line)  # same seed, same text
+    # The prompt's partial block is computed with that block's forwards, not prefilled: the rate
+    # is over the prefilled tokens only.
+    ids = ",".join(str(5 + i % 50) for i in range(75))
+    prompt = [ln for ln in invoke(model, "--prompt-ids", ids, "--max-tokens", "4", "--profile").output.splitlines()
+              if ln.startswith("Prompt:")]
+    assert prompt[0].startswith("Prompt: 75 tokens, 11 in the first block's forwards, ")
+    assert prompt[0].endswith(" tokens-per-sec for the 64 prefilled")
+    short = invoke(model, "--prompt-ids", "5,6,7", "--max-tokens", "4", "--profile").output
+    assert "Prompt: 3 tokens, 3 in the first block's forwards, none prefilled" in short
     edit = invoke(model, "--prompt", "Hi", "--max-tokens", "8", "--editing-threshold", "0.5",
                   "--max-post-steps", "2", "--reference-sampling", "--seed", "0")
     assert edit.exit_code == 0, edit.output

@@ -338,6 +338,7 @@ class BlockSession:
         self.x = np.full(self.n_blocks * bl, s.mask_token_id, dtype=np.int32)
         self.x[:P] = self.prompt
         self.committed = mx.array(self.x[: self.next_index * bl])
+        self.deferred_prompt_tokens = P - self.next_index * bl  # the partial block's: its forwards compute them
         self._prefill(self.next_index * bl)
         self._remember()
 
