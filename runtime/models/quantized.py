@@ -121,6 +121,8 @@ def linear_each(module, xs: list[mx.array]) -> list[mx.array]:
     dequantized once for all of them; each input gets the GEMMs it gets alone."""
     from .rows import matmul
 
+    if not xs:
+        return []
     xfs = [x.astype(mx.float32) for x in xs]
     parts = _pieces(module, lambda a, b, w: [matmul(xf, w.T) for xf in xfs])
     out = []

@@ -431,11 +431,16 @@ class Model(nn.Module):
             h = h[:, rows]
         return self.head(self.model.norm(h))
 
+    @property
+    def head_module(self):
+        """The output projection: the embedding when tied, else ``lm_head``."""
+        return self.model.word_embeddings if self.args.tie_word_embeddings else self.lm_head
+
     def head(self, h):
         """float32 logits of normed hidden states; a quantized head on the CPU
         backend has its rows split over the CPU streams (cpu_streams.py)."""
         tied = self.args.tie_word_embeddings
-        module = self.model.word_embeddings if tied else self.lm_head
+        module = self.head_module
 
         def project(rows):
             return as_linear(module, rows) if tied else linear(module, rows)
@@ -447,10 +452,10 @@ class Model(nn.Module):
         """``head`` of each of ``hs`` (a batch's sequences, each with its own
         rows), each as alone; a head dequantized per call dequantizes each
         vocabulary slice once for all of them that take that path."""
-        module = self.model.word_embeddings if self.args.tie_word_embeddings else self.lm_head
+        module = self.head_module
         shared = [i for i, h in enumerate(hs) if wants(module, h)]
         out = [None if i in shared else self.head(h) for i, h in enumerate(hs)]
-        for i, y in zip(shared, linear_each(module, [hs[i] for i in shared]) if shared else []):
+        for i, y in zip(shared, linear_each(module, [hs[i] for i in shared])):
             out[i] = y.astype(mx.float32)
         return out
 
