@@ -135,3 +135,11 @@ def test_relaying_keeps_memory_flat(hub, monkeypatch):
     mx.clear_cache()
     assert mx.get_active_memory() <= before
     assert mx.get_peak_memory() <= before + 2 * largest
+
+
+def test_a_bad_layout_setting_is_named(hub, monkeypatch):
+    from dlm.runtime.errors import ConfigError
+
+    monkeypatch.setenv("DLM_CPU_LAYOUT", "transposed")
+    with pytest.raises(ConfigError, match="DLM_CPU_LAYOUT='transposed': choose auto"):
+        api.load(hub[1])

@@ -30,7 +30,8 @@ as a strided view of the [in, out] buffer (``relaid``), so every product,
 slice and shape check reads it as before; MLX's matmul and gather_mm take
 either memory order without a copy.
 
-``DLM_CPU_LAYOUT=native`` keeps the checkpoint's order (for A/B runs); it and
+``DLM_CPU_LAYOUT=native`` keeps the checkpoint's order (for A/B runs; ``auto``,
+the default, relays as above); it and
 ``DLM_CPU_EXPERTS`` (switch.py) are read at load.
 """
 
@@ -42,6 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import blas
+from ..errors import ConfigError
 from .switch import SwitchLinear, stacks
 
 MIN_LINEAR = 1 << 26  # weight elements: an untied head (LLaDA2.0-mini's 157184 x 2048), not a layer's projection
@@ -74,9 +76,10 @@ def wants(module, rows: dict) -> bool:
 def measured() -> bool:
     """Whether this process runs the BLAS the layout was measured with (blas.py
     loaded an optimized one), and DLM_CPU_LAYOUT does not say ``native``."""
-    if os.environ.get("DLM_CPU_LAYOUT", "").strip().lower() == "native":
-        return False
-    return blas.STATUS not in ("off", "reference")
+    value = os.environ.get("DLM_CPU_LAYOUT", "").strip().lower()
+    if value not in ("", "auto", "native"):
+        raise ConfigError(f"DLM_CPU_LAYOUT={value!r}: choose auto (the default) or native")
+    return value != "native" and blas.STATUS not in ("off", "reference")
 
 
 def cpu_layout(model) -> int:
