@@ -64,10 +64,11 @@ def wants(module, x: mx.array) -> bool:
 
 
 def dequantized(module, start: int = None, stop: int = None, expert: int = None,
-                after: mx.array = None) -> mx.array:
+                after=None) -> mx.array:
     """Rows ``start:stop`` of the module's weight (of one ``expert`` of a switch
     layer) as float32, exactly as the quantized kernels see them; not before
-    ``after`` is computed, when given."""
+    ``after`` (an array, or a list of them: ``linear_each``'s products of one
+    slice) is computed, when given."""
     w, scales, biases = module["weight"], module["scales"], module.get("biases")
     if expert is not None:
         w, scales = w[expert], scales[expert]
