@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from ..quantize.modes import MODES
-from ..runtime.console import Command
-from ..runtime.errors import DlmError
+from ..runtime.models.quant_modes import MODES
+from ..runtime.cli.console import Command
+from ..runtime.platform.errors import DlmError
 
 EPILOG = """\b
 Examples:

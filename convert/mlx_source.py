@@ -9,8 +9,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..quantize.modes import module_quantization
-from ..runtime.errors import ConfigError
+from ..runtime.models.quant_modes import module_quantization
+from ..runtime.platform.errors import ConfigError
 from ..runtime.models.plan import TensorPlan
 
 

@@ -33,19 +33,13 @@ from ..quantize.recipes import (
     make_spec,
 )
 from ..runtime.checkpoint import check_tokenizer, read_config, read_json
-from ..runtime.errors import ConfigError, WeightError
+from ..runtime.platform.errors import ConfigError, WeightError
 from ..runtime.models.plan import TensorPlan
 from ..runtime.registry import Family, family_for_config
 from .card import front_matter, recipe_table, render_card, source_license
 from .mlx_source import dequantize_plans, mlx_conversion
 from .reader import CheckpointReader, row_count
-from .source import (
-    SIDECAR_FILES,
-    VISION_SIDECARS,
-    ResolvedSource,
-    resolve_source,
-    source_name,
-)
+from ..runtime.hub import SIDECAR_FILES, VISION_SIDECARS, ResolvedSource, resolve_source, source_name
 from .writer import (
     MAX_SHARD_BYTES,
     OutputError,
@@ -364,8 +358,7 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
             raise OutputError(f"{out} would replace the source checkpoint {src.path}")
         config = read_config(src.path)
         family = family_for_config(config, str(src.path / "config.json"))
-        module = family.model()
-        args = module.ModelArgs.from_config(config, str(src.path / "config.json"))
+        args = family.config.from_config(config, str(src.path / "config.json"))
         check_tokenizer(src.path)
         text_only = opts.text_only or not config.get("vision_config")
         with CheckpointReader(src.path) as reader:
@@ -381,8 +374,8 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
                     f"(dlm-run generate --model {src.display}); --dequantize converts it back to a float "
                     "MLX model (and --q-bits on top of that re-quantizes it)")
             else:
-                plans = module.plan_weights(args, reader.metadata(), opts.text_only)
-            jobs = plan_jobs(plans, reader, recipe, module.quant_class, dtype)
+                plans = family.weights.plan_weights(args, reader.metadata(), opts.text_only)
+            jobs = plan_jobs(plans, reader, recipe, family.weights.quant_class, dtype)
             shards = plan_shards([j.outputs for j in jobs], opts.max_shard_bytes)
             need, free = shards_total_bytes(shards), shutil.disk_usage(tmp).free
             if need + (16 << 20) > free:
@@ -403,7 +396,7 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
         decisions = [j.decision for j in jobs]
         fallbacks = [d.path for d in decisions if d.fallback]
 
-        out_config = _output_config(module, config, opts, recipe, decisions, src, text_only)
+        out_config = _output_config(family, config, opts, recipe, decisions, src, text_only)
         write_text(tmp / "config.json", json.dumps(out_config, indent=4, sort_keys=True) + "\n")
         _copy_sidecars(src.path, tmp, text_only)
         card = _card_context(out, src, family, config, opts, recipe, jobs, shards, bpw, parameters,
@@ -437,9 +430,9 @@ def _recipe_line(recipe: Optional[Recipe], dtype: Optional[str]) -> str:
     return f"{text}; {d}"
 
 
-def _output_config(module, config: dict, opts: ConvertOptions, recipe: Optional[Recipe],
+def _output_config(family, config: dict, opts: ConvertOptions, recipe: Optional[Recipe],
                    decisions: list[Decision], src: ResolvedSource, text_only: bool) -> dict:
-    out = module.output_config(config, opts.text_only)
+    out = family.output_config(config, opts.text_only)
     out.pop("_name_or_path", None)
     out.pop("quantization", None)
     out.pop("quantization_config", None)

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.checkpoint import INDEX_NAME, read_weight_map, weight_files
-from ..runtime.errors import WeightError
+from ..runtime.platform.errors import WeightError
 
 # safetensors dtype -> (numpy dtype used for the raw bytes, mlx dtype)
 _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..runtime.errors import DlmError
+from ..runtime.platform.errors import DlmError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

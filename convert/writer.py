@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..runtime.errors import DlmError
+from ..runtime.platform.errors import DlmError
 from .reader import INDEX_NAME, row_count
 
 MAX_SHARD_BYTES = 5 << 30  # the mlx-lm / mlx-vlm limit

@@ -22,8 +22,8 @@ from typing import Callable, Iterable, Optional
 
 import mlx.core as mx
 
-from ..runtime.errors import DlmError
-from .modes import MODE_DEFAULTS
+from ..runtime.platform.errors import DlmError
+from ..runtime.models.quant_modes import MODE_DEFAULTS
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)

@@ -1,15 +1,15 @@
 """dlm.runtime: the MLX runtime (models, generation, API, CLI, server).
 
 Importing it first loads an optimized BLAS for MLX's CPU backend on Linux
-(``dlm.runtime.blas``), before anything imports MLX, and keeps float32 matrix
-products in full float32 on GPUs (``dlm.runtime.precision``); a Linux MLX
+(``dlm.runtime.platform.blas``), before anything imports MLX, and keeps float32 matrix
+products in full float32 on GPUs (``dlm.runtime.platform.precision``); a Linux MLX
 without its backend library fails with one line on what to install
-(``dlm.runtime.backend``).
+(``dlm.runtime.platform.backend``).
 """
 
-from . import backend as _backend
-from . import blas as _blas
-from . import precision as _precision
+from .platform import backend as _backend
+from .platform import blas as _blas
+from .platform import precision as _precision
 
 _blas.use_optimized_blas()
 _precision.use_full_float32()

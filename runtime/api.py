@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from .errors import ConfigError, GenerationError
-from .events import GenerationEvent, GenerationStats
-from .inputs import PromptInputs, split_prompt
+from .platform.errors import ConfigError, GenerationError
+from .generation.events import GenerationEvent, GenerationStats
+from .generation.inputs import PromptInputs, split_prompt
 from .loader import LoadedModel
 from .loader import load as _load
 
@@ -188,12 +188,12 @@ def image_processor(loaded: LoadedModel):
     files on first use), or GenerationError when the model takes no images (a
     text-only conversion, a text-only family)."""
     if loaded.image_processor is None:
-        title, family = loaded.family.title, loaded.family.model()
-        if not hasattr(family, "ImageProcessor") or loaded.args.text_only:
-            why = (f"{title} is text-only" if not hasattr(family, "ImageProcessor")
+        title, processor = loaded.family.title, loaded.family.image_processor
+        if processor is None or loaded.args.text_only:
+            why = (f"{title} is text-only" if processor is None
                    else f"this {title} model has no vision tower (a text-only conversion)")
             raise GenerationError(f"{loaded.source or loaded.path}: image input is not supported: {why}")
-        loaded.image_processor = family.ImageProcessor.from_model_dir(loaded.path, loaded.args, loaded.tokenizer)
+        loaded.image_processor = processor.from_model_dir(loaded.path, loaded.args, loaded.tokenizer)
     return loaded.image_processor
 
 
@@ -204,9 +204,9 @@ def tool_format(loaded: LoadedModel, tools):
         return None
     from .structured.formats import TOOL_CALLS, ResponseFormat
     from .structured.tools import call_grammar
-    from .text import token_id
+    from .generation.text import token_id
 
-    lark = call_grammar(tools, loaded.family.tool_syntax(), lambda text: token_id(loaded.tokenizer, text))
+    lark = call_grammar(tools, loaded.family.tool_syntax, lambda text: token_id(loaded.tokenizer, text))
     return ResponseFormat(TOOL_CALLS, {}, where="tool_choice", lark=lark)
 
 
@@ -259,12 +259,12 @@ def stream_generate(
     ``cancel`` is polled once per denoising step. Keyword hooks go to the
     family's loop; every family takes ``watch(block_index, step, token_ids)``
     (the canvas/block after each step) and ``prefix`` (a
-    ``dlm.runtime.generate.PrefixState`` kept across runs, as ``dlm-run chat``
+    ``dlm.runtime.generation.progress.PrefixState`` kept across runs, as ``dlm-run chat``
     does), and ``step_trace`` (a ``dlm.runtime.trace.Trace`` that records every
     denoising step, as ``dlm-run generate --trace`` does); ``on_step`` is the
     family's own parity hook."""
-    gen = loaded.family.generation()
-    settings = gen.Settings.from_options(dict(options or {}), loaded.args, loaded.generation_config)
+    gen = loaded.family.generation
+    settings = loaded.settings(dict(options or {}))
     ids, images = split_prompt(prompt)
     if images:
         hooks["images"] = images
@@ -281,7 +281,7 @@ def stream_generate(
     if structured is not None:
         hooks["structured"] = structured
     events = gen.stream_generate(loaded, ids, settings, cancel, **hooks)
-    return _split_tool_calls(events, loaded.family.tool_syntax()) if tools is not None else events
+    return _split_tool_calls(events, loaded.family.tool_syntax) if tools is not None else events
 
 
 def generate(

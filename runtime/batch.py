@@ -3,7 +3,7 @@
 ``Batcher`` is the scheduler the server's worker, ``api.generate_batch`` and
 ``dlm-run generate --prompts-file`` drive. Each request keeps its own session
 (the family's ``Session``: prompt, caches, draws, settings) and its own
-``Progress`` (dlm.runtime.generate: budget, trimming, text, stats), exactly as
+``Progress`` (dlm.runtime.generation.progress: budget, trimming, text, stats), exactly as
 when it runs alone; the family's ``batch.Batch`` runs one step of every busy
 request per ``step()``: the requests' canvases/blocks go through one forward
 with a batch axis, and their stop flags are read in one host sync.
@@ -31,30 +31,20 @@ with a batch axis, and their stop flags are read in one host sync.
 from __future__ import annotations
 
 import collections
-import importlib
 import time
 from typing import Callable, Hashable, Iterator, Optional
 
 import mlx.core as mx
 
-from .errors import GenerationError
-from .events import GenerationEvent
-from .generate import Progress
-from .inputs import split_prompt
-from .memory import budget_bytes
-from .worker import DEFAULT_MAX_BATCH  # noqa: F401  (the default, kept where the server reads it)
+from .platform.errors import GenerationError
+from .generation.events import GenerationEvent
+from .generation.progress import Progress
+from .generation.inputs import split_prompt
+from .platform.memory import budget_bytes
 
-
-def family_batch(loaded):
-    """The family's batch module (``dlm.runtime.models.<family>.batch``), or None
-    for a family without one (it then runs one request at a time)."""
-    name = f"dlm.runtime.models.{loaded.family.name}.batch"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return None
+# Requests generated together by the server's batching worker, api.generate_batch and
+# --prompts-file; why 8: docs/benchmarks.md, batched serving (scripts/bench/serve.py).
+DEFAULT_MAX_BATCH = 8
 
 
 class Entry:
@@ -80,11 +70,11 @@ class Batcher:
     def __init__(self, loaded, max_batch: int = DEFAULT_MAX_BATCH, memory_budget: Optional[float] = None):
         if max_batch < 1:
             raise GenerationError(f"--max-batch must be at least 1, got {max_batch}")
-        module = family_batch(loaded)
+        module = loaded.family.batch
         if module is None:
             raise GenerationError(f"batched generation is not available for {loaded.family.title} models")
         self.loaded = loaded
-        self.generation = loaded.family.generation()
+        self.generation = loaded.family.generation
         self.family = module.Batch(loaded)
         self.max_batch = max_batch
         self.budget = budget_bytes(memory_budget)
@@ -97,10 +87,9 @@ class Batcher:
         """The family's session for one request (its options and prompt checked:
         GenerationError names what is wrong), as ``api.stream_generate`` builds it."""
         loaded = self.loaded
-        settings = self.generation.Settings.from_options(dict(options or {}), loaded.args,
-                                                          loaded.generation_config)
+        settings = loaded.settings(dict(options or {}))
         ids, images = split_prompt(prompt)
-        if images and self.family.block_name != "canvas":
+        if images and loaded.family.image_processor is None:
             raise GenerationError(f"image input is not supported: {loaded.family.title} is text-only")
         return self.generation.Session(loaded, ids, settings, cancel, **({"images": images} if images else {}))
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .errors import ConfigError, WeightError
+from .platform.errors import ConfigError, WeightError
 
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

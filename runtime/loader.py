@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .checkpoint import check_tokenizer, read_generation_config, read_json, weight_files
-from .errors import ConfigError, DlmError, UnsupportedModelError, WeightError
-from .registry import Family, family_for_config
+from .platform import settings as env
+from .platform.errors import ConfigError, DlmError, WeightError
+from .registry import Family, family_for_config, settings
 
 @dataclass
 class LoadedModel:
@@ -30,10 +31,15 @@ class LoadedModel:
     compute_dtype: str = "float32"  # what the model computes in (see COMPUTE_DTYPES)
     upcast: bool = False  # half-precision weights were upcast to float32 for the CPU backend
     dequantized: int = 0  # quantized modules dequantized to float32 at load (CPU backend)
-    per_call: int = 0  # quantized modules dequantized per call (CPU backend; models/quantized.py)
-    relaid: int = 0  # float weights stored [in, out] for the CPU's BLAS (models/layout.py)
+    per_call: int = 0  # quantized modules dequantized per call (CPU backend; models/cpu/dequant.py)
+    relaid: int = 0  # float weights stored [in, out] for the CPU's BLAS (models/cpu/layout.py)
     # The family's image processor, built on first use (api.image_processor).
     image_processor: Any = None
+
+    def settings(self, options: dict):
+        """The family's generation Settings for ``options`` (checked by name and
+        range first) over this checkpoint's generation_config."""
+        return settings(self.family, options, self.args, self.generation_config)
 
 
 def load_weights(path: Path) -> dict:
@@ -76,7 +82,7 @@ def apply_quantization(model, q: dict, weights: dict) -> None:
     """
     import mlx.nn as nn
 
-    from ..quantize.modes import module_quantization
+    from .models.quant_modes import module_quantization
 
     def predicate(path: str, module) -> Any:
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
@@ -140,10 +146,10 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 # kernels. "native": the stored dtype and the quantized kernels everywhere.
 # "float32": half-precision weights upcast, quantized kernels kept.
 # DLM_COMPUTE_DTYPE sets the default. Under auto, quantized weights that do not
-# fit as float32 stay quantized and are dequantized per call (models/quantized.py);
+# fit as float32 stay quantized and are dequantized per call (models/cpu/dequant.py);
 # DLM_CPU_DEQUANTIZE=call does that always, =kernels never (the quantized kernels).
-COMPUTE_DTYPES = ("auto", "native", "float32")
-CPU_DEQUANTIZE = ("auto", "call", "kernels")
+COMPUTE_DTYPES = env.COMPUTE_DTYPE.choices  # ("auto", "native", "float32"), declared with the variable
+CPU_DEQUANTIZE = env.CPU_DEQUANTIZE.choices  # ("auto", "call", "kernels")
 
 
 def compute_in_float32(model, budget: Optional[int] = None) -> bool:
@@ -215,7 +221,7 @@ def resolve_model(source, revision: Optional[str] = None) -> Path:
     text = str(source)
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise ConfigError(f"{path}: not a directory (and not a Hub repo id org/name)")
-    from ..convert.source import resolve_source
+    from .hub import resolve_source
 
     return resolve_source(text, revision=revision).path
 
@@ -223,30 +229,20 @@ def resolve_model(source, revision: Optional[str] = None) -> Path:
 def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
          revision: Optional[str] = None, compute_dtype: Optional[str] = None) -> LoadedModel:
     """Load a model directory or Hub repo id (see module docstring)."""
-    import os
-
     import mlx.core as mx
 
-    compute_dtype = compute_dtype or os.environ.get("DLM_COMPUTE_DTYPE", "").strip() or "auto"
+    compute_dtype = compute_dtype or env.COMPUTE_DTYPE.get()
     if compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"--compute-dtype {compute_dtype!r}: choose from {', '.join(COMPUTE_DTYPES)}")
-    dequantize = os.environ.get("DLM_CPU_DEQUANTIZE", "").strip().lower() or "auto"
-    if dequantize not in CPU_DEQUANTIZE:
-        raise ConfigError(f"DLM_CPU_DEQUANTIZE={dequantize!r}: choose from {', '.join(CPU_DEQUANTIZE)}")
+    dequantize = env.CPU_DEQUANTIZE.get()  # another value: a ConfigError naming it
 
     source = str(path)
     path = resolve_model(path, revision)
     config = read_json(path / "config.json", "config.json")
     family = family_for_config(config, str(path / "config.json"))
-    try:
-        module = family.model()
-    except ImportError as exc:
-        raise UnsupportedModelError(
-            f"{path}: the {family.name} runtime is not available in this dlm ({exc})"
-        ) from None
-    args = module.ModelArgs.from_config(config, str(path / "config.json"))
-    model = module.Model(args)
-    weights = module.sanitize(load_weights(path), args)
+    args = family.config.from_config(config, str(path / "config.json"))
+    model = family.model(args)
+    weights = family.weights.sanitize(load_weights(path), args)
     q = quantization_block(config)
     if q is not None:
         apply_quantization(model, q, weights)
@@ -257,7 +253,7 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
     upcast, dequantized, per_call = False, 0, 0
     on_cpu = mx.default_device() == mx.cpu
     if compute_dtype == "float32" or (compute_dtype == "auto" and on_cpu):
-        from .memory import budget_bytes
+        from .platform.memory import budget_bytes
 
         # auto: only what fits half the memory budget (the rest is the generation's).
         upcast = compute_in_float32(model, None if compute_dtype == "float32" else budget_bytes() // 2)
@@ -268,16 +264,16 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
             if dequantize == "auto" and dequantized_size(model) <= budget_bytes() // 2:
                 dequantized = dequantize_modules(model)
             else:
-                from .models.quantized import mark
+                from .models.cpu.dequant import mark
 
                 per_call = mark(model)
     if on_cpu and not upcast:  # the CPU gather_mm is float32-only
-        from .models.switch import cpu_float32_experts
+        from .models.cpu.experts import cpu_float32_experts
 
         cpu_float32_experts(model)
     relaid = 0
     if on_cpu:  # large float weights stored [in, out]: the CPU's BLAS runs them untransposed
-        from .models.layout import cpu_layout
+        from .models.cpu.layout import cpu_layout
 
         relaid = cpu_layout(model)
     model.eval()

@@ -1,62 +1,39 @@
 """Family registry keyed by ``model_type``.
 
-A family is one package under ``runtime/models/<name>/`` (config, weight map,
-MLX modules, generation step, options), one verify adapter
-``verify/<name>/adapter.py``, and one line in ``FAMILIES`` below. Nothing else
-in dlm branches on ``model_type``: every module asks the registry.
+Each family declares itself once, as the ``FAMILY`` object of its package
+(``runtime/models/<name>/__init__.py``: dlm.runtime.generation.family.Family);
+this module lists them. Nothing else in dlm branches on ``model_type``: every
+module asks the registry. What needs every family at once lives here too: the
+option catalogue that the CLI flags, the server's request fields and the
+refusal of another family's option are built from.
 
-Modules are imported lazily so that ``dlm-convert --help`` does not pay for
-MLX model code it will not use.
+The families are imported on first use, so that ``dlm-convert --help`` does not
+pay for MLX model code it will not use.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from types import ModuleType
+import functools
+from typing import Iterable
 
-from .errors import UnsupportedModelError
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str  # the package name under runtime/models/ and verify/
-    title: str  # what messages call it
-    model_types: tuple[str, ...]
-
-    def model(self) -> ModuleType:
-        """The family package: ModelArgs, Model, plan_weights, sanitize, quant_class, output_config."""
-        return importlib.import_module(f"dlm.runtime.models.{self.name}")
-
-    def generation(self) -> ModuleType:
-        """Its generate module: Settings.from_options and the per-canvas/per-block session."""
-        return importlib.import_module(f"dlm.runtime.models.{self.name}.generate")
-
-    def options(self) -> tuple:
-        """Its generation options (dlm.runtime.options.Option declarations)."""
-        return importlib.import_module(f"dlm.runtime.models.{self.name}.options").OPTIONS
-
-    def tool_syntax(self):
-        """How its models write tool calls (dlm.runtime.structured.tools.ToolSyntax)."""
-        return importlib.import_module(f"dlm.runtime.models.{self.name}.tools").TOOL_SYNTAX
-
-    def reference(self) -> ModuleType:
-        """The dlm-verify adapter (dlm.verify.protocol)."""
-        return importlib.import_module(f"dlm.verify.{self.name}.adapter")
+from .generation import options as O
+from .generation.family import Family
+from .platform.errors import UnsupportedModelError
 
 
-FAMILIES: tuple[Family, ...] = (
-    Family("diffusion_gemma", "DiffusionGemma", ("diffusion_gemma", "diffusion_gemma_text")),
-    Family("llada2_moe", "LLaDA-2", ("llada2_moe",)),
-)
+@functools.cache
+def families() -> tuple[Family, ...]:
+    from .models import diffusion_gemma, llada2_moe
+
+    return (diffusion_gemma.FAMILY, llada2_moe.FAMILY)
 
 
 def supported_model_types() -> list[str]:
-    return sorted(t for f in FAMILIES for t in f.model_types)
+    return sorted(t for f in families() for t in f.model_types)
 
 
 def get_family(model_type: str | None, where: str = "config.json") -> Family:
-    for family in FAMILIES:
+    for family in families():
         if model_type in family.model_types:
             return family
     raise UnsupportedModelError(
@@ -67,3 +44,34 @@ def get_family(model_type: str | None, where: str = "config.json") -> Family:
 
 def family_for_config(config: dict, where: str = "config.json") -> Family:
     return get_family(config.get("model_type"), where)
+
+
+# -- options across the families ---------------------------------------------
+
+
+def all_options() -> list[tuple[str, O.Option]]:
+    """Every (family title, option) declared, in registry order."""
+    return [(family.title, option) for family in families() for option in family.options]
+
+
+def resolve_options(family: Family, options: dict) -> dict:
+    """``family``'s own options from ``options``, checked and converted
+    (dlm.runtime.generation.options.resolve): another family's option, one
+    nothing runs and an unknown key are refused by name."""
+    return O.resolve(family.options, options, family.title, family.refused_options, all_options())
+
+
+def settings(family: Family, options: dict, args, generation_config: dict):
+    """The family's generation Settings for ``options`` (checked first) over
+    the checkpoint's generation_config over the declared defaults."""
+    return family.generation.Settings.from_options(resolve_options(family, options), args, generation_config)
+
+
+def click_options(exclude: Iterable[str] = (), help_prefix: str = ""):
+    """The generation flags of ``dlm-run generate|chat|serve``, one per declared option."""
+    return O.click_options(all_options(), exclude, help_prefix)
+
+
+def request_options() -> dict[str, O.Option]:
+    """Request field -> option, for the fields a server request may set."""
+    return O.request_options(all_options())

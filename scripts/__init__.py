@@ -1,2 +1,2 @@
-"""Set-up, demo, training and benchmark scripts. The Python ones that share code (scripts.demo_task,
-tests.builders) run as modules from the repository root: ``.venv/bin/python -m scripts.bench_runtime``."""
+"""The user-facing tools (setup.sh, demo.sh, test.sh, install_chromium.sh) and, in ``scripts.bench``,
+the benchmarks, run as modules from the repository root: ``.venv/bin/python -m scripts.bench.runtime``."""

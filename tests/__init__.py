@@ -1,5 +1,5 @@
 """dlm's test suite, a package: tests import their helpers as ``tests.builders`` and
-the demo scripts as ``scripts.*`` (the repository root is on pytest's pythonpath)."""
+the demo package as ``demo.*`` (the repository root is on pytest's pythonpath)."""
 
 from pathlib import Path
 

@@ -17,8 +17,9 @@ The one place that builds what the tests run on, for every family:
   resharded copy, a dlm-convert output, a dequantized float twin of a quantized
   output, a dlm-verify reference bundle; and reading their tensors back.
 
-The demo training scripts (scripts/train_demo_*.py) build their tokenizers with
-the same functions, so the bundled demo checkpoints share these vocabularies.
+The tokenizers are tests/builders_tokenizers.py's (re-exported here); the demo
+training scripts (demo/train_*.py) build theirs with the same functions, so the
+bundled demo checkpoints share these vocabularies.
 """
 
 from __future__ import annotations
@@ -26,48 +27,26 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-# ---------------------------------------------------------------------------
-# Character-level tokenizers
-# ---------------------------------------------------------------------------
-
-CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?+-*/=()[]{}<>'\"\n_#@%&|"
-
-
-def _build_char_tokenizer(out_dir: str | Path, vocab_size: int, special_tokens: dict[int, str],
-                          chat_template: str, add_bos_token: bool | None = None,
-                          extra_special_tokens: dict | None = None, **named_tokens) -> None:
-    """Write tokenizer.json / tokenizer_config.json / chat_template.jinja for a WordLevel
-    tokenizer over single characters: the special tokens at their ids, then CHARS on the
-    free ids, then ``<unusedN>`` for the rest (so every id decodes to something).
-    ``named_tokens`` (bos_token=..., eos_token=...) give special tokens their roles; the
-    other special tokens become additional special tokens; ``extra_special_tokens``
-    names more of them (Gemma 4's image_token / boi_token / eoi_token)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab: dict[str, int] = {tok: i for i, tok in special_tokens.items()}
-    free = (i for i in range(vocab_size) if i not in special_tokens)
-    for ch in CHARS:
-        vocab[ch] = next(free)
-    for i in free:
-        vocab[f"<unused{i}>"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    named = set(named_tokens.values()) | set((extra_special_tokens or {}).values())
-    extra = {"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, **named_tokens, **extra,
-        additional_special_tokens=[t for _, t in sorted(special_tokens.items()) if t not in named],
-    )
-    fast.chat_template = chat_template
-    if add_bos_token is not None:
-        fast.add_bos_token = add_bos_token
-    fast.save_pretrained(str(out_dir))
+# The tokenizers live in tests/builders_tokenizers.py; importers keep using these names from here.
+from tests.builders_tokenizers import (  # noqa: F401
+    CHARS,
+    DG_CHAT_TEMPLATE,
+    DG_IMAGE_NAMES,
+    DG_IMAGE_TOKENS,
+    DG_SPECIAL_TOKENS,
+    LLADA2_CHAT_TEMPLATE,
+    LLADA2_EOS_ID,
+    LLADA2_MASK_ID,
+    LLADA2_ROLE_END_ID,
+    LLADA2_SPECIAL_TOKENS,
+    _build_char_tokenizer,
+    build_diffusion_gemma_tokenizer,
+    build_llada2_tokenizer,
+)
 
 
 def _save_shards(tensors: dict, out_dir: Path, shards: int = 1) -> None:
@@ -95,30 +74,6 @@ def _save_shards(tensors: dict, out_dir: Path, shards: int = 1) -> None:
 # DiffusionGemma
 # ---------------------------------------------------------------------------
 
-# Gemma 4 special-token ids that dlm relies on (reference §4.10).
-DG_SPECIAL_TOKENS = {
-    0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>",
-    48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>", 52: '<|"|>',
-    98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>", 106: "<turn|>",
-}
-# Gemma 4's image tokens (the release: boi 255999, image 258880, eoi 258882), at
-# the tiny config's ids; the processor expands each image token to boi + n x image + eoi.
-DG_IMAGE_TOKENS = {500: "<|image|>", 501: "<|image>", 502: "<image|>"}
-DG_IMAGE_NAMES = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"}
-DG_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set msgs = messages %}"
-    "{% if enable_thinking is defined and enable_thinking %}<|turn>system\n<|think|>"
-    "{% if msgs and msgs[0]['role'] == 'system' %}{{ msgs[0]['content'] }}{% set msgs = msgs[1:] %}{% endif %}"
-    "<turn|>\n"
-    "{% elif msgs and msgs[0]['role'] == 'system' %}<|turn>system\n{{ msgs[0]['content'] }}<turn|>\n"
-    "{% set msgs = msgs[1:] %}{% endif %}"
-    "{% for m in msgs %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
-    "{% if part['type'] == 'image' %}<|image|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<turn|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
-)
 DG_TEXT = dict(
     vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
@@ -150,18 +105,6 @@ DG_GENERATION = {
     "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
     "stability_threshold": 1, "t_max": 0.8, "t_min": 0.4,
 }
-
-
-def build_diffusion_gemma_tokenizer(vocab_size: int, out_dir: str | Path) -> None:
-    """The Gemma-4-style character tokenizer (no BOS added on encode; the template adds it),
-    with Gemma 4's image tokens when the vocabulary holds their tiny ids."""
-    special, names = dict(DG_SPECIAL_TOKENS), None
-    if vocab_size > max(DG_IMAGE_TOKENS):
-        special.update(DG_IMAGE_TOKENS)
-        names = DG_IMAGE_NAMES
-    _build_char_tokenizer(out_dir, vocab_size, special, DG_CHAT_TEMPLATE, add_bos_token=False,
-                          extra_special_tokens=names, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                          unk_token="<unk>")
 
 
 def build_diffusion_gemma(
@@ -239,23 +182,6 @@ def load_diffusion_gemma_hf(hf_dir, dtype: str = "float32"):
 # LLaDA2.0 MoE
 # ---------------------------------------------------------------------------
 
-LLADA2_EOS_ID = 252
-LLADA2_ROLE_END_ID = 253
-LLADA2_MASK_ID = 255
-LLADA2_SPECIAL_TOKENS = {
-    248: "<unk>", 249: "<|startoftext|>", 250: "<role>", 251: "</role>",
-    LLADA2_EOS_ID: "<|endoftext|>", LLADA2_ROLE_END_ID: "<|role_end|>", 254: "<|arithmetic_start|>",
-    LLADA2_MASK_ID: "<|mask|>",
-}
-LLADA2_CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- set role = {'user': 'HUMAN', 'assistant': 'ASSISTANT', 'system': 'SYSTEM'}"
-    ".get(m['role'], m['role'] | upper) -%}"
-    "<role>{{ role }}</role>{{ m['content'] }}<|role_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<role>ASSISTANT</role>{%- endif -%}"
-)
-
 _LLADA2_BASE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=64,
@@ -299,13 +225,6 @@ def llada2_hub_config(geometry: str = "base", **overrides) -> dict:
     if "rotary_dim" not in overrides:
         cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
     return cfg
-
-
-def build_llada2_tokenizer(vocab_size: int, out_dir: str | Path) -> None:
-    """The LLaDA-2-style character tokenizer (eos = pad = <|endoftext|>, mask = <|mask|>)."""
-    _build_char_tokenizer(out_dir, vocab_size, LLADA2_SPECIAL_TOKENS, LLADA2_CHAT_TEMPLATE,
-                          eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>",
-                          mask_token="<|mask|>")
 
 
 def build_llada2_model(geometry: str = "base", seed: int = 1234, **overrides):
@@ -537,6 +456,8 @@ class FamilyKit:
     form_dependent_fields: tuple[str, ...] = ()  # ModelArgs fields that legitimately differ between forms
     q_group_size: int = 32  # a group size the tiny geometry divides
     not_converted: tuple[str, ...] = ()  # name prefixes a text-only conversion leaves out on purpose
+    # Option name -> where the family's generation Settings keep its value (dotted attribute path).
+    settings_fields: dict = field(default_factory=dict)
 
 
 def diffusion_gemma_config_forms(config: dict) -> dict[str, dict]:
@@ -568,8 +489,19 @@ FAMILY_KITS = {
         form_dependent_fields=("model_type", "vision_config", "image_token_id", "boi_token_id",
                                "eoi_token_id"),
         not_converted=("model.encoder.vision_tower.", "model.encoder.embed_vision."),
+        settings_fields={"max_tokens": "max_tokens", "max_denoising_steps": "denoise.steps",
+                         "diffusion_sampler": "denoise.sampler", "diffusion_threshold": "denoise.threshold",
+                         "diffusion_min_canvas_length": "min_canvas", "temp": "denoise.temperature",
+                         "skip_special_tokens": "skip_special_tokens", "prefill_step_size": "prefill_step_size"},
     ),
-    "llada2_moe": FamilyKit(build=lambda out: build_llada2(out), config_forms=llada2_config_forms),
+    "llada2_moe": FamilyKit(
+        build=lambda out: build_llada2(out),
+        config_forms=llada2_config_forms,
+        settings_fields={"max_tokens": "max_tokens", "max_denoising_steps": "steps", "temp": "temperature",
+                         "block_length": "block_length", "threshold": "threshold",
+                         "max_post_steps": "max_post_steps",
+                         "skip_special_tokens": "skip_special_tokens", "prefill_step_size": "prefill_step_size"},
+    ),
 }
 
 

@@ -84,7 +84,7 @@ def _serving(app, timeout: float = 30.0):
 
     import uvicorn
 
-    from dlm.runtime.serve_cli import bind
+    from dlm.runtime.cli.serve import bind
 
     sock = bind("127.0.0.1", 0)  # as dlm-run serve binds (TCP_NODELAY on its connections)
     port = sock.getsockname()[1]

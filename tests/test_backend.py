@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dlm.runtime import backend
+from dlm.runtime.platform import backend
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS wheels carry Metal")
 
@@ -34,7 +34,7 @@ def test_the_api_raises_one_clear_import_error(tmp_path):
     assert 'pip install "dlm[cpu]"' in last and "dlm[cuda13]" in last
 
 
-@pytest.mark.parametrize("command,module", [("dlm-run", "dlm.runtime.cli"), ("dlm-convert", "dlm.convert.cli"),
+@pytest.mark.parametrize("command,module", [("dlm-run", "dlm.runtime.cli.main"), ("dlm-convert", "dlm.convert.cli"),
                                             ("dlm-verify", "dlm.verify.cli")])
 def test_a_command_prints_the_line_without_a_traceback(tmp_path, command, module):
     code = f"import sys; sys.argv[0] = {command!r}; from {module} import main; main()"

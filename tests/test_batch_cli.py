@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from dlm.runtime import api
-from dlm.runtime.cli import main
+from dlm.runtime.cli.main import main
 from tests import ROOT
 
 DEMO = ROOT / "demo" / "diffusion_gemma_sort"

@@ -72,14 +72,14 @@ def test_per_sequence_rows():
 def test_routed_experts_per_sequence(monkeypatch, mode):
     """Experts given a batch of sequences (``sequences``) compute each as alone,
     through every CPU kernel (DLM_CPU_EXPERTS)."""
-    from dlm.runtime.models import switch
+    from dlm.runtime.models.cpu import experts as cpu_experts
     from dlm.runtime.models.diffusion_gemma import ModelArgs
     from dlm.runtime.models.diffusion_gemma.layers import Experts
     from dlm.runtime.models.llada2_moe.model import SwitchGLU
     from tests.builders import DG_TEXT
 
-    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
-    monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
     monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
     args = ModelArgs.from_config({"model_type": "diffusion_gemma_text", **DG_TEXT})
     experts, glu = Experts(args), SwitchGLU(64, 48, 4)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from dlm.runtime import blas
+from dlm.runtime.platform import blas
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the bundled reference BLAS is Linux-only")
 
-CODE = "import dlm.runtime.blas as b, mlx.core as mx; mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4))); print(b.STATUS)"
+CODE = "import dlm.runtime.platform.blas as b, mlx.core as mx; mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4))); print(b.STATUS)"
 
 
 def _status(**env):
@@ -43,7 +43,7 @@ def test_dlm_blas_opts_out_or_names_a_library():
     assert status == "reference" and "DLM_BLAS=/no/such/libblas.so cannot be loaded" in err
 
 
-IDLE = ("import os, time, dlm.runtime.blas as b, mlx.core as mx; a = mx.random.normal((768, 768)); mx.eval(a); "
+IDLE = ("import os, time, dlm.runtime.platform.blas as b, mlx.core as mx; a = mx.random.normal((768, 768)); mx.eval(a); "
         "mx.eval(a @ a); t = time.process_time(); time.sleep(0.3); "
         "print(b.STATUS, os.environ.get('OPENBLAS_THREAD_TIMEOUT'), time.process_time() - t)")
 

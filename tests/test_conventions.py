@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 import httpx
@@ -13,8 +14,8 @@ from click.testing import CliRunner
 
 from dlm.convert.cli import main as convert_main
 from dlm.runtime import api
-from dlm.runtime.cli import main as run_main
-from dlm.runtime.server import create_app
+from dlm.runtime.cli.main import main as run_main
+from dlm.runtime.server.app import create_app
 from dlm.verify.cli import main as verify_main
 from tests import ROOT
 
@@ -215,7 +216,7 @@ def test_upload_after_convert_and_after_verify(tiny_dg_dir, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("fixture", ["tiny_dg_mlx_dir", "tiny_llada2_mlx_dir"])
 def test_a_kept_prefix_cache_gives_the_same_turn_as_a_fresh_one(request, fixture):
-    from dlm.runtime.generate import PrefixState
+    from dlm.runtime.generation.progress import PrefixState
 
     loaded = api.load(request.getfixturevalue(fixture))
     opts = {"max_tokens": 8, "max_denoising_steps": 3, "seed": 3, "temp": 0.0}
@@ -267,3 +268,20 @@ def test_verbose_shows_every_step(request, fixture, label):
     if "llada2" in fixture:
         second = next(ln for ln in steps if ln.startswith("[block 2 step 1]"))
         assert "_" in second  # a block's first step still shows masked positions
+
+
+# Spelled in pieces so that this file does not match itself.
+_PRIVATE_CITATION = re.compile("shared" + "/reference" + r"|\breference/[\w.-]+\.md" + "|\u00a7")
+
+
+def test_comments_cite_upstream_sources_not_private_notes():
+    """Code cites what a reader can open (transformers' or a hub repo's modeling
+    file, mlx-vlm, a paper, a config field), never notes kept outside the
+    repository or their section numbers."""
+    found = []
+    for folder in ("runtime", "convert", "quantize", "verify", "model_cards", "tests", "scripts", "demo"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if _PRIVATE_CITATION.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from dlm.convert import pipeline, writer
 from dlm.convert.cli import main
 from dlm.convert.pipeline import ConvertOptions, convert
-from dlm.runtime.errors import DlmError
+from dlm.runtime.platform.errors import DlmError
 from tests.builders import copy_checkpoint, leftovers, reshard
 
 

@@ -1,5 +1,5 @@
 """Quantized weights dequantized per call on the CPU backend
-(dlm.runtime.models.quantized): each piece equals float64 math on the
+(dlm.runtime.models.cpu.dequant): each piece equals float64 math on the
 dequantized weight, a batch equals its sequences alone to the last bit, the
 loader picks the policy, and whole 4-bit models of both families pass
 dlm-verify's implementation check (the transformers / PyTorch reference fed
@@ -14,8 +14,10 @@ from dlm.runtime import api  # before MLX: dlm.runtime loads the optimized BLAS 
 
 import mlx.core as mx  # noqa: E402  (isort: skip)
 import mlx.nn as nn  # noqa: E402
-from dlm.runtime.errors import ConfigError  # noqa: E402
-from dlm.runtime.models import quantized, rows, switch  # noqa: E402
+from dlm.runtime.platform.errors import ConfigError  # noqa: E402
+from dlm.runtime.models import rows, switch
+from dlm.runtime.models.cpu import dequant as quantized  # noqa: E402
+from dlm.runtime.models.cpu import experts as cpu_experts  # noqa: E402
 from tests.builders import convert_dir, record_bundle, verify_options  # noqa: E402
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a CPU-backend compute path")
@@ -62,9 +64,9 @@ def test_a_linear_and_a_tied_head_equal_float64_math(small_slices):
     assert mx.array_equal(out[1], rows.as_linear(qe, h[1]))
     # Self-conditioning's p @ W: vocabulary slices summed.
     p = mx.softmax(mx.array(rng.normal(size=(2, 5, 96)).astype(np.float32)), axis=-1)
-    s = quantized.embedding_matmul(qe, p)
+    s = rows.embedding_matmul(qe, p)
     assert np.abs(np.array(s) - np.array(p).astype(np.float64) @ _float64(qe)).max() < 1e-5
-    assert mx.array_equal(s[0], quantized.embedding_matmul(qe, p[0]))
+    assert mx.array_equal(s[0], rows.embedding_matmul(qe, p[0]))
 
 
 def test_few_rows_keep_the_kernel():
@@ -90,11 +92,11 @@ def test_one_expert_equals_float64_math():
 
 def test_experts_dequantized_per_call_run_grouped(monkeypatch):
     layer = switch.SwitchLinear(64, 48, 4)
-    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 64 * 48)  # the unpacked size, not the packed one
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 64 * 48)  # the unpacked size, not the packed one
     kernels = layer.to_quantized(group_size=32, bits=4)
-    assert switch.cpu_float_experts(layer) and not switch.cpu_float_experts(kernels)
-    assert switch.cpu_float_experts(_marked(kernels))
-    assert switch.grouped(6 * 4, 4, kernels) and not switch.grouped(6 * 4 - 1, 4, kernels)
+    assert cpu_experts.cpu_float_experts(layer) and not cpu_experts.cpu_float_experts(kernels)
+    assert cpu_experts.cpu_float_experts(_marked(kernels))
+    assert cpu_experts.grouped(6 * 4, 4, kernels) and not cpu_experts.grouped(6 * 4 - 1, 4, kernels)
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +128,8 @@ def test_the_loader_picks_the_policy(q4, monkeypatch):
 def per_call_everywhere(monkeypatch):
     """Per-call dequantization with grouped experts and sliced heads, counted by kind."""
     monkeypatch.setenv("DLM_CPU_DEQUANTIZE", "call")
-    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
-    monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
     monkeypatch.setattr(quantized, "SLICE_BYTES", 1 << 14)
     kinds = []
     real = quantized.dequantized

@@ -1,5 +1,5 @@
 """Quantized kernels split by rows over the CPU streams
-(dlm.runtime.models.cpu_streams) give bit-identical results: the kernels
+(dlm.runtime.models.cpu.streams) give bit-identical results: the kernels
 alone, and whole 4-bit models of both families (experts, tied and untied
 heads, self-conditioning) with the streams on vs off."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dlm.runtime import api
-from dlm.runtime.models import cpu_streams
+from dlm.runtime.models.cpu import streams as cpu_streams
 from tests.builders import convert_dir
 
 

@@ -1,5 +1,5 @@
 """numpy's vector loops for the full-vocabulary row math on the CPU backend
-(cpu_vocab.py): the same formulas as the MLX path, checked against float64 math,
+(cpu/vocab.py): the same formulas as the MLX path, checked against float64 math,
 each row computed on its own (the same bits alone, together and in any piece
 split), taken only where the policy says."""
 
@@ -11,7 +11,7 @@ import pytest
 from dlm.runtime import api  # noqa: F401  (dlm.runtime before MLX: the optimized BLAS)
 
 import mlx.core as mx  # noqa: E402  (isort: skip)
-from dlm.runtime.models import cpu_vocab  # noqa: E402
+from dlm.runtime.models.cpu import vocab as cpu_vocab  # noqa: E402
 
 
 def _logits(rows=7, vocab=1001, seed=0):

@@ -1,5 +1,5 @@
 """The bundled trained demo models (demo/): complete hub checkpoints whose
-trained skill (sorting digits, scripts/demo_task.py) makes fidelity testable.
+trained skill (sorting digits, demo/task.py) makes fidelity testable.
 
 Random tiny checkpoints prove implementations exact; these prove that a
 conversion still *works*: answers stay right after 4-bit quantization, the
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts import demo_task
+from demo import task as demo_task
 from tests import ROOT
 
 DG = ROOT / "demo" / "diffusion_gemma_sort"
@@ -208,8 +208,9 @@ def test_dg_4bit_logits_stay_faithful_on_task_states(converted):
     from dlm.runtime import api
     from dlm.runtime.registry import family_for_config
     from dlm.verify.metrics import logits_metrics
+    from dlm.verify.protocol import adapter_for
 
-    adapter = family_for_config(json.loads((DG / "config.json").read_text())).reference()
+    adapter = adapter_for(family_for_config(json.loads((DG / "config.json").read_text())))
     ref = adapter.load_reference(DG, dtype="float32")
     digits = _heldout_sample(6)
     good = logits_metrics(*_dg_task_logits(adapter, ref, api.load(converted(DG, "q4")), digits))

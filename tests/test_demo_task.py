@@ -1,4 +1,4 @@
-"""The demo task module (scripts/demo_task.py): examples, answers, held-out split."""
+"""The demo task module (demo/task.py): examples, answers, held-out split."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from scripts import demo_task
+from demo import task as demo_task
 
 
 def test_answer_and_checker():

@@ -1,7 +1,7 @@
 """The demo training scripts still run against transformers / dlm's reference,
 and their objectives see exactly what generation sees.
 
-A full run takes 15-60 CPU minutes (scripts/train_demo_*.py); here two steps
+A full run takes 15-60 CPU minutes (demo/train_*.py); here two steps
 of each, plus the equivalences the objectives rely on, against the real
 forward passes."""
 
@@ -25,7 +25,7 @@ def test_dg_prefix_caches_equal_encoding_the_prefix_alone(torch1, tmp_path):
     the full cache equal transformers' forward on the prefix alone."""
     from transformers import PreTrainedTokenizerFast
 
-    from scripts import train_demo_diffusion_gemma as T
+    from demo import train_diffusion_gemma as T
     from tests.builders import build_diffusion_gemma_tokenizer
 
     torch = torch1
@@ -52,8 +52,8 @@ def test_llada2_training_mask_gives_every_block_its_generation_view(torch1, tmp_
     the window generate() runs: clean blocks < b, then the noisy block b."""
     from transformers import PreTrainedTokenizerFast
 
+    from demo import train_llada2 as T
     from dlm.verify.llada2_moe.torch_model import block_causal_mask
-    from scripts import train_demo_llada2 as T
     from tests.builders import build_llada2_tokenizer
 
     torch = torch1
@@ -77,7 +77,7 @@ def test_llada2_training_mask_gives_every_block_its_generation_view(torch1, tmp_
 def test_dg_training_script_writes_a_hub_checkpoint(torch1, tmp_path):
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from scripts import train_demo_diffusion_gemma as T
+    from demo import train_diffusion_gemma as T
 
     out = tmp_path / "dg"
     T.main(["--out", str(out), "--steps", "2", "--batch", "4", "--eval-n", "1", "--final-n", "2",
@@ -93,8 +93,8 @@ def test_dg_training_script_writes_a_hub_checkpoint(torch1, tmp_path):
 
 
 def test_llada2_training_script_writes_a_hub_checkpoint(torch1, tmp_path):
+    from demo import train_llada2 as T
     from dlm.verify.llada2_moe.torch_model import load_reference
-    from scripts import train_demo_llada2 as T
 
     out = tmp_path / "ll"
     T.main(["--out", str(out), "--steps", "2", "--batch", "4", "--eval-n", "1", "--final-n", "2"])

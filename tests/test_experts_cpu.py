@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dlm.runtime.models import switch
+from dlm.runtime.models.cpu import experts as cpu_experts
 
 
 def _random(module, seed=0):
@@ -40,19 +41,19 @@ MODES = pytest.mark.parametrize("mode", ["", "each"], ids=["by-count", "by-exper
 @pytest.fixture
 def small_experts_grouped(monkeypatch):
     """The tiny test experts take the CPU's own kernels (their size floor is for speed, not correctness)."""
-    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 1)
 
 
 def test_policy(monkeypatch):
     layer = switch.SwitchLinear(1024, 1024, 4)
     on_cpu = mx.default_device() == mx.cpu
-    assert switch.stacks(layer) == on_cpu and not switch.grouped(10_000, 4, layer)
-    assert not switch.stacks(switch.SwitchLinear(256, 256, 4))  # small: one fused gather_mm
+    assert cpu_experts.stacks(layer) == on_cpu and not cpu_experts.grouped(10_000, 4, layer)
+    assert not cpu_experts.stacks(switch.SwitchLinear(256, 256, 4))  # small: one fused gather_mm
     monkeypatch.setenv("DLM_CPU_EXPERTS", "each")  # float experts one at a time, as before by_count
-    assert not switch.stacks(layer)
-    assert switch.grouped(6 * 4, 4, layer) == on_cpu and not switch.grouped(6 * 4 - 1, 4, layer)
+    assert not cpu_experts.stacks(layer)
+    assert cpu_experts.grouped(6 * 4, 4, layer) == on_cpu and not cpu_experts.grouped(6 * 4 - 1, 4, layer)
     monkeypatch.setenv("DLM_CPU_EXPERTS", "gather")
-    assert not switch.stacks(layer) and not switch.grouped(10_000, 4, layer)
+    assert not cpu_experts.stacks(layer) and not cpu_experts.grouped(10_000, 4, layer)
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouped kernels are the CPU backend's")
@@ -69,8 +70,8 @@ def test_diffusion_gemma_experts_grouped_equal_gather(monkeypatch, small_experts
     idx = _routing(64, args.num_experts, args.top_k_experts)
     w = mx.softmax(mx.array(np.random.default_rng(3).standard_normal((64, 2)).astype(np.float32)), -1)
     monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
-    assert switch.stacks(experts.gate_up_proj, experts.down_proj) == (mode == "")
-    assert switch.grouped(idx.size, args.num_experts, experts.gate_up_proj) == (mode == "each")
+    assert cpu_experts.stacks(experts.gate_up_proj, experts.down_proj) == (mode == "")
+    assert cpu_experts.grouped(idx.size, args.num_experts, experts.gate_up_proj) == (mode == "each")
     got, want = _both(monkeypatch, lambda: experts(x, idx, w), mode)
     assert np.abs(got - want).max() < 1e-5 and np.abs(want).max() > 1e-2
 
@@ -92,10 +93,10 @@ def test_llada2_switch_glu_grouped_equal_gather(monkeypatch, small_experts_group
 def test_dense_policy(monkeypatch):
     small = switch.SwitchLinear(256, 64, 32)  # 524288 elements: the LLaDA-2 small geometry
     on_cpu = mx.default_device() == mx.cpu
-    assert switch.dense(32, small) == on_cpu and not switch.dense(31, small)
-    assert not switch.dense(10_000, switch.SwitchLinear(2048, 512, 8))  # 8M: big experts gather or group
+    assert cpu_experts.dense(32, small) == on_cpu and not cpu_experts.dense(31, small)
+    assert not cpu_experts.dense(10_000, switch.SwitchLinear(2048, 512, 8))  # 8M: big experts gather or group
     monkeypatch.setenv("DLM_CPU_EXPERTS", "gather")
-    assert not switch.dense(10_000, small)
+    assert not cpu_experts.dense(10_000, small)
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the dense kernel is the CPU backend's")
@@ -112,7 +113,7 @@ def test_llada2_moe_dense_equals_gather(monkeypatch):
     moe.gate.expert_bias = mx.zeros_like(moe.gate.expert_bias)
     x = mx.array(np.random.default_rng(5).standard_normal((2, 40, args.hidden_size)).astype(np.float32))
     sw = moe.switch_mlp
-    assert switch.dense(40, sw.gate_proj, sw.up_proj, sw.down_proj)
+    assert cpu_experts.dense(40, sw.gate_proj, sw.up_proj, sw.down_proj)
     got, want = _both(monkeypatch, lambda: moe(x))
     assert got.shape == (2, 40, args.hidden_size)
     assert np.abs(got - want).max() < 1e-5 and np.abs(want).max() > 1e-3
@@ -128,14 +129,14 @@ def test_decoder_pass_grouped_equal_gather(monkeypatch, tiny_dg_mlx_dir, small_e
     def logits():
         loaded = api.load(tiny_dg_mlx_dir)  # a fresh model: compiled pieces follow the policy
         experts = loaded.model.layers[0].experts
-        assert switch.stacks(experts.gate_up_proj, experts.down_proj) == experts.eager
+        assert cpu_experts.stacks(experts.gate_up_proj, experts.down_proj) == experts.eager
         cache = loaded.model.make_cache()
         loaded.model.prefill(list(range(3, 40)), cache)
         return loaded.model.decode(mx.array(np.arange(64, dtype=np.int32) % 300 + 3), cache)
 
     got, want = _both(monkeypatch, logits)
     assert np.abs(got - want).max() < 1e-4
-    assert switch.cpu_float_experts(switch.SwitchLinear(8, 8, 4))  # the default run was by_count
+    assert cpu_experts.cpu_float_experts(switch.SwitchLinear(8, 8, 4))  # the default run was by_count
 
 
 @pytest.mark.parametrize("spread", [False, True], ids=["one-stream", "spread"])
@@ -160,7 +161,7 @@ def test_by_expert_runs_each_sequence_as_alone_and_each_expert_once(spread):
         calls.append((e, [b.shape[0] for b in blocks]))
         return [switch.project(b, w[e]) for b in blocks]
 
-    got = switch.by_expert(x, idx, E, expert_fn, spread, sequences=S)
+    got = cpu_experts.by_expert(x, idx, E, expert_fn, spread, sequences=S)
     assert [e for e, _ in calls] == sorted({int(e) for e in np.array(idx).ravel()})
     assert sum(sum(sizes) for _, sizes in calls) == S * n * K
     per_sequence = [np.bincount(np.array(idx)[s * n:(s + 1) * n].ravel(), minlength=E) for s in range(S)]
@@ -169,7 +170,7 @@ def test_by_expert_runs_each_sequence_as_alone_and_each_expert_once(spread):
     want = np.einsum("nh,nkoh->nko", np.array(x).astype(np.float64), np.array(w).astype(np.float64)[np.array(idx)])
     assert np.abs(np.array(got) - want).max() < 1e-4
     for s in range(S):
-        alone = switch.by_expert(x[s * n:(s + 1) * n], idx[s * n:(s + 1) * n], E, expert_fn, spread)
+        alone = cpu_experts.by_expert(x[s * n:(s + 1) * n], idx[s * n:(s + 1) * n], E, expert_fn, spread)
         assert mx.array_equal(alone, got[s * n:(s + 1) * n])
 
 
@@ -192,7 +193,7 @@ def test_by_count_runs_each_sequence_as_alone_one_op_per_count():
         calls.append((rows.shape[:2], np.array(experts).tolist()))
         return mx.gather_mm(rows, w.swapaxes(-1, -2), rhs_indices=experts)
 
-    got = switch.by_count(x, idx, stack_fn, sequences=S)
+    got = cpu_experts.by_count(x, idx, stack_fn, sequences=S)
     counts = [np.bincount(np.array(idx)[s * n:(s + 1) * n].ravel(), minlength=E) for s in range(S)]
     per_count = {}
     for s in range(S):
@@ -203,5 +204,5 @@ def test_by_count_runs_each_sequence_as_alone_one_op_per_count():
     want = np.einsum("nh,nkoh->nko", np.array(x).astype(np.float64), np.array(w).astype(np.float64)[np.array(idx)])
     assert np.abs(np.array(got) - want).max() < 1e-4
     for s in range(S):
-        alone = switch.by_count(x[s * n:(s + 1) * n], idx[s * n:(s + 1) * n], stack_fn)
+        alone = cpu_experts.by_count(x[s * n:(s + 1) * n], idx[s * n:(s + 1) * n], stack_fn)
         assert mx.array_equal(alone, got[s * n:(s + 1) * n])

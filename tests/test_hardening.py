@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from dlm.runtime import api
-from dlm.runtime.cli import main
-from dlm.runtime.errors import GenerationError
-from dlm.runtime.memory import budget_bytes, machine_memory_bytes
-from dlm.runtime.server import create_app
+from dlm.runtime.cli.main import main
+from dlm.runtime.platform.errors import GenerationError
+from dlm.runtime.platform.memory import budget_bytes, machine_memory_bytes
+from dlm.runtime.server.app import create_app
 
 FAST = {"diffusion_gemma": ["--max-denoising-steps", "2"],
         "llada2_moe": ["--max-denoising-steps", "2", "--block-length", "4"]}

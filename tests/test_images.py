@@ -1,4 +1,4 @@
-"""Image sources (dlm.runtime.images): what decodes, and a clear ImageError
+"""Image sources (dlm.runtime.generation.images): what decodes, and a clear ImageError
 naming the source for everything that does not. Images are made with Pillow
 here; remote fetches go to a local http.server thread."""
 
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dlm.runtime.errors import GenerationError
-from dlm.runtime.images import ImageError, RemoteImages, decode_data_url, open_image, open_url
+from dlm.runtime.platform.errors import GenerationError
+from dlm.runtime.generation.images import ImageError, RemoteImages, decode_data_url, open_image, open_url
 
 
 def encoded(fmt: str = "PNG", size=(12, 8), color=(200, 30, 60), mode="RGB", **save) -> bytes:

@@ -1,4 +1,4 @@
-"""The CPU backend's weight layout (runtime/models/layout.py): large float
+"""The CPU backend's weight layout (runtime/models/cpu/layout.py): large float
 weights stored [in, out] give the same values, the same products to the last
 bit, and a model that generates what the reference does."""
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dlm.runtime import api  # before MLX: dlm.runtime loads the optimized BLAS ahead of it
-from dlm.runtime.models import layout, switch
+from dlm.runtime.models.cpu import experts as cpu_experts
+from dlm.runtime.models.cpu import layout
 from dlm.runtime.models.diffusion_gemma import Model as DGModel, ModelArgs as DGArgs
 from dlm.runtime.models.llada2_moe import generate as G
 from dlm.runtime.models.llada2_moe.model import Model as LLModel
@@ -79,7 +80,7 @@ def hub(tmp_path_factory):
 
 def _relay_tiny(monkeypatch):
     """Make the tiny model's linears and experts count as large, with few copies each."""
-    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 1)
     monkeypatch.setattr(layout, "MIN_LINEAR", 1)
     monkeypatch.setattr(layout, "MAX_EXPERT_COPIES", 1000)
     monkeypatch.setattr(layout.blas, "STATUS", "/an/optimized/libopenblas.so.0")  # as setup.sh leaves it
@@ -138,7 +139,7 @@ def test_relaying_keeps_memory_flat(hub, monkeypatch):
 
 
 def test_a_bad_layout_setting_is_named(hub, monkeypatch):
-    from dlm.runtime.errors import ConfigError
+    from dlm.runtime.platform.errors import ConfigError
 
     monkeypatch.setenv("DLM_CPU_LAYOUT", "transposed")
     with pytest.raises(ConfigError, match="DLM_CPU_LAYOUT='transposed': choose auto"):

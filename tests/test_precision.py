@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-CODE = ("import os, dlm.runtime, mlx.core as mx; from dlm.runtime import precision as p; "
+CODE = ("import os, dlm.runtime, mlx.core as mx; from dlm.runtime.platform import precision as p; "
         "mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4))); print(os.environ.get('MLX_ENABLE_TF32'), '|', p.describe())")
 
 

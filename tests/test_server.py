@@ -21,7 +21,7 @@ import pytest
 
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
-from dlm.runtime.server import create_app
+from dlm.runtime.server.app import create_app
 
 DEFAULTS = {"max_tokens": 8, "max_denoising_steps": 3}
 MSGS = [{"role": "user", "content": "Why is the sky blue?"}]
@@ -460,7 +460,7 @@ PROMPT_PARAMS = {"model_path", "prompt", "prompt_ids", "system", "chat_template"
 
 
 def test_serve_takes_generates_generation_flags():
-    from dlm.runtime.cli import generate, main
+    from dlm.runtime.cli.main import generate, main
 
     serve = main.commands["serve"]
     serve_params = {p.name: p for p in serve.params}
@@ -478,7 +478,7 @@ def test_served_connections_send_without_nagle_delay():
     import asyncio
     import socket
 
-    from dlm.runtime.serve_cli import bind
+    from dlm.runtime.cli.serve import bind
 
     sock = bind("127.0.0.1", 0)
     flags = []
@@ -505,8 +505,8 @@ def test_served_connections_send_without_nagle_delay():
 def test_serve_command_binds_loopback_and_checks_defaults(dg_paths, monkeypatch):
     from click.testing import CliRunner
 
-    from dlm.runtime import serve_cli
-    from dlm.runtime.cli import main
+    from dlm.runtime.cli import serve as serve_cli
+    from dlm.runtime.cli.main import main
 
     calls = []
     monkeypatch.setattr(serve_cli, "run_server", lambda app, sock, level: calls.append((app, sock)))

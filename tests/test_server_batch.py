@@ -17,7 +17,7 @@ import pytest
 
 from dlm.runtime import api
 from dlm.runtime import batch as batch_module
-from dlm.runtime.server import create_app
+from dlm.runtime.server.app import create_app
 
 DEFAULTS = {"max_tokens": 16, "max_denoising_steps": 3}
 LONG = {"max_tokens": 256, "max_denoising_steps": 8}
@@ -161,7 +161,7 @@ def test_a_full_queue_still_answers_429(dg, serving, running, monkeypatch):
     second request takes the free batch slot at once, mid-step, and is not
     queued; a third fills the queue of 1; a fourth gets 429 at once. Released,
     the three are served with their solo answers, two of them together."""
-    from dlm.runtime.batch_worker import BatchWorker
+    from dlm.runtime.server.batch_worker import BatchWorker
 
     stepping, gate, real = threading.Event(), threading.Event(), BatchWorker._step
 
@@ -234,8 +234,8 @@ def test_a_burst_at_an_idle_worker_is_not_refused(dg, monkeypatch, batching):
     late the thread wakes: with a queue of 1, an idle serial worker takes one job
     and queues one; an idle batching worker (--max-batch 2) takes two requests
     and queues one (and a plain job, when idle, runs at once). The next is refused."""
-    from dlm.runtime.batch_worker import BatchWorker
-    from dlm.runtime.worker import GenerationWorker, QueueFull
+    from dlm.runtime.server.batch_worker import BatchWorker
+    from dlm.runtime.server.worker import GenerationWorker, QueueFull
 
     cls = BatchWorker if batching else GenerationWorker
     awake, release, real = threading.Event(), threading.Event(), cls._loop

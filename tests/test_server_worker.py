@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from dlm.runtime.server_output import StopMatcher
-from dlm.runtime.worker import GenerationWorker, QueueFull, WorkerStopped
+from dlm.runtime.server.output import StopMatcher
+from dlm.runtime.server.worker import GenerationWorker, QueueFull, WorkerStopped
 
 
 async def drain(job, timeout=10.0):

@@ -207,7 +207,7 @@ def test_tool_requests_are_checked_naming_the_field():
 @pytest.mark.parametrize("syntax", [GEMMA_SYNTAX, TAGS_SYNTAX], ids=["gemma", "json-tags"])
 def test_forced_calls_always_parse_and_validate(tokenizer, syntax):
     from dlm.runtime.structured.formats import TOOL_CALLS, ResponseFormat
-    from dlm.runtime.text import token_id
+    from dlm.runtime.generation.text import token_id
 
     request = parse_tools(TOOLS, "required", False)
     lark = call_grammar(request, syntax, lambda text: token_id(tokenizer, text))
@@ -260,7 +260,7 @@ def test_gemma_call_markers_survive_detokenizing_and_parse(tokenizer):
     """<|tool_call>, <tool_call|> and <|"|> are special tokens: the answer text
     keeps them (skip_special_tokens drops the others), so an unconstrained
     ("auto") call the model writes is found and parsed."""
-    from dlm.runtime.text import ChannelParser
+    from dlm.runtime.generation.text import ChannelParser
 
     text = '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:2}<tool_call|>'
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from dlm.runtime import api
-from dlm.runtime.cli import main as dlm_run
+from dlm.runtime.cli.main import main as dlm_run
 from dlm.runtime.structured.tools import parse_tools
 from tests.test_structured import SCHEMAS, TOOLS
 

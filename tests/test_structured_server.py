@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from dlm.runtime import api
-from dlm.runtime.server import create_app
+from dlm.runtime.server.app import create_app
 from tests.test_structured import SCHEMAS, TOOLS
 
 DEFAULTS = {"max_tokens": 96}

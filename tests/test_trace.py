@@ -7,7 +7,7 @@ import numpy as np
 import mlx.core as mx
 import pytest
 
-from dlm.runtime import trace_html
+from dlm.runtime.trace import html as trace_html
 from dlm.runtime.models.diffusion_gemma import canvas as C
 from dlm.runtime.models.diffusion_gemma import sampling as S
 from dlm.runtime.models.diffusion_gemma.trace import CanvasTracer

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dlm.runtime import trace_html
-from dlm.runtime.cli import main
+from dlm.runtime.trace import html as trace_html
+from dlm.runtime.cli.main import main
 from dlm.runtime.registry import get_family
 from dlm.verify.protocol import BlockTrace, CommitStream
 from dlm.verify.trace_view import write_divergences

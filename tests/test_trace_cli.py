@@ -7,8 +7,8 @@ import json
 
 from click.testing import CliRunner
 
-from dlm.runtime import trace_html
-from dlm.runtime.cli import main
+from dlm.runtime.trace import html as trace_html
+from dlm.runtime.cli.main import main
 from dlm.runtime.trace import EDITED, FIXED, MASKED, STOP_REASONS
 
 DG = ["--prompt", "hello", "--max-tokens", "20", "--seed", "0", "--max-denoising-steps", "6",

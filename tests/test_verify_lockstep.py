@@ -8,7 +8,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 torch = pytest.importorskip("torch")
 
-from dlm.runtime.errors import WeightError  # noqa: E402
+from dlm.runtime.platform.errors import WeightError  # noqa: E402
 from dlm.verify import dequant  # noqa: E402
 from dlm.verify.streaming import LayerStreamer, MappingSource, empty_parameters  # noqa: E402
 

@@ -8,6 +8,8 @@ per-layer hidden-state diagnostic (dlm.verify.layers), on both families.
 * the diagnostic names the layer whose weight a converted copy perturbs;
 * peak memory of a streamed reference forward is flat in depth, where the
   whole-model reference's grows with it (peak RSS in a subprocess).
+
+MLX routing flips and the layer-local check: tests/diffusion_gemma/test_verify_routing.py.
 """
 
 import json
@@ -22,7 +24,6 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from dlm.verify import bundle as B  # noqa: E402
-from dlm.verify import layers as L  # noqa: E402
 from dlm.verify.suite import Options, record, run_parity  # noqa: E402
 from tests.builders import (  # noqa: E402
     FAST_VERIFY, build_diffusion_gemma, build_llada2, convert_dir, verify_options,
@@ -179,7 +180,7 @@ def test_cli_stream_layers_uses_the_streamed_budget(tiny_llada2_mlx_dir, tmp_pat
 
 
 def test_auto_mode_and_layer_progress(capsys):
-    from dlm.runtime.memory import budget_bytes
+    from dlm.runtime.platform.memory import budget_bytes
     from dlm.verify import streaming as S
     from dlm.verify.progress import LayerBar
 
@@ -196,7 +197,7 @@ def test_auto_mode_and_layer_progress(capsys):
 def test_auto_mode_counts_everything_a_whole_model_run_holds(monkeypatch):
     """``decide`` sums the parts of a whole-model run, names them in the why,
     and adds back what MLX already holds (budget_bytes leaves it out)."""
-    from dlm.runtime import memory
+    from dlm.runtime.platform import memory
     from dlm.verify import streaming as S
 
     monkeypatch.setattr(memory, "budget_bytes", lambda budget_gb=None: 10 * 10**9)
@@ -226,7 +227,7 @@ def test_whole_parts_of_the_same_weights_reference(tiny_llada2_mlx_dir, tiny_dg_
 
     def source(mlx_dir):
         config = json.loads((mlx_dir / "config.json").read_text())
-        return S.MlxSource(W.dequantized_weights(mlx_dir, config), family_for_config(config, "").model().to_hf)
+        return S.MlxSource(W.dequantized_weights(mlx_dir, config), family_for_config(config, "").weights.to_hf)
 
     llada = source(tiny_llada2_mlx_dir)
     assert llada.eager
@@ -282,7 +283,7 @@ def test_auto_mode_streams_the_same_weights_reference_when_all_of_it_does_not_fi
     """The reference alone fits the auto share of the budget, but with the
     dequantized weights beside it (2x the reference) it does not: the original
     reference runs whole, the same-weights one is streamed."""
-    from dlm.runtime.memory import budget_bytes
+    from dlm.runtime.platform.memory import budget_bytes
     from dlm.verify import streaming as S
 
     hf = tiny_llada2_mlx_dir.parent / "hf"
@@ -390,7 +391,7 @@ for phase in json.loads(sys.argv[1]):
     if kind == "mlx":
         config = read_json(path + "/config.json", "config")
         dq = W.dequantized_weights(path, config)
-        to_hf = family_for_config(config, path).model().to_hf
+        to_hf = family_for_config(config, path).weights.to_hf
         weights = S.MlxSource(dq, to_hf) if mode == "streamed" else to_hf(dq)
     ref = A.load_reference(path, weights=weights, stream=mode == "streamed")
     case = A.logit_cases(ref.config, [list(range(2, 40))], {})[0]
@@ -461,7 +462,7 @@ def test_logit_store_and_bundle_arrays_match_the_safetensors_library(tmp_path):
 def test_streamed_reference_refuses_incomplete_weights_naming_the_tensor(tiny_llada2_mlx_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from dlm.runtime.errors import WeightError
+    from dlm.runtime.platform.errors import WeightError
     from dlm.verify.llada2_moe import adapter as A
 
     src = tiny_llada2_mlx_dir.parent / "hf"
@@ -478,125 +479,3 @@ def test_streamed_reference_refuses_incomplete_weights_naming_the_tensor(tiny_ll
         with pytest.raises(WeightError, match=drop.replace(".", r"\.")) as err:
             A.load_reference(bad, stream=True)
         assert str(bad) in str(err.value)
-
-
-def _flip_decoder_layer_1_position_3(monkeypatch):
-    """MLX routes canvas position 3 of decoder layer 1 to an expert it did not
-    pick, weighted as its router weighs that choice."""
-    from dlm.runtime.models.diffusion_gemma.layers import DecoderLayer, linear, rms_norm
-
-    real = DecoderLayer._mix
-
-    def mix(self, x, attn):
-        h, m1, xe, weights, idx = real(self, x, attn)
-        if self.index == 1 and idx.shape[0] == 8:  # the decoder's 8-position canvas
-            r = self.router
-            z = rms_norm(h, None, r.eps) * r["scale"].astype(h.dtype) * r.root
-            probs = mx.softmax(linear(r.proj, z).astype(mx.float32), axis=-1).reshape(idx.shape[0], -1)
-            n = probs.shape[-1]
-            present = (mx.arange(n)[:, None] == idx[3][None, :]).any(axis=1)
-            other = mx.argmin(present).astype(idx.dtype)  # the first expert position 3 does not use
-            k = idx.shape[1]
-            at = (mx.arange(8)[:, None] == 3) & (mx.arange(k)[None, :] == k - 1)
-            idx = mx.where(at, other, idx)  # (inside mx.compile: no host reads)
-            w = mx.take_along_axis(probs, idx, axis=-1)
-            weights = w / w.sum(axis=-1, keepdims=True) * r["per_expert_scale"][idx].astype(mx.float32)
-        return h, m1, xe, weights, idx
-
-    monkeypatch.setattr(DecoderLayer, "_mix", mix)
-
-
-def test_layer_diagnostic_finds_a_routing_flip(tiny_dg_dir, tiny_dg_mlx_dir, monkeypatch):
-    """float32 conversion (the original reference is the same-weights one): the
-    routing record names the flipped layer and position, with the reference's
-    margin, and it is where the hidden states first diverge. Unflipped, every
-    token routing agrees."""
-    options = verify_options(reference=str(tiny_dg_dir), long_prompt=False, stream_prompts=0, stream_layers=True)
-    summary = run_parity(tiny_dg_mlx_dir, options).layers["implementation"]
-    assert summary["routing"]["flips"] == 0 and summary["routing"]["routed"] > 100
-    assert "token routings agree" in L.describe(summary)
-
-    _flip_decoder_layer_1_position_3(monkeypatch)
-    summary = run_parity(tiny_dg_mlx_dir, options).layers["implementation"]
-    first = summary["routing"]["first_flip"]
-    assert (first["stack"], first["layer"], first["position"]) == ("decoder", 1, 3)
-    assert first["gap"] > 0 and len(first["mlx_only"]) == 1
-    div = summary["first_divergence"]
-    assert (div["stack"], div["layer"], div["position"], div["positions_below"]) == ("decoder", 1, 3, 1)
-    assert "where the hidden states first diverge" in L.describe(summary)
-
-
-def test_layer_local_check_fails_on_a_clear_routing_flip(tiny_dg_dir, tiny_dg_mlx_dir, monkeypatch):
-    """The layer-local row (a float32 conversion: from the original reference's
-    record) passes as is, and fails on a flip at a clear router margin, naming
-    the layer and position; that position is left out of the layer's numbers."""
-    options = verify_options(reference=str(tiny_dg_dir), long_prompt=False, stream_prompts=0, stream_layers=True)
-    row = next(c for c in run_parity(tiny_dg_mlx_dir, options).checks if c.name == "implementation_layers")
-    assert row.status == "pass" and row.metrics["routing_flips"] == 0 and row.metrics["excused"] == 0
-
-    _flip_decoder_layer_1_position_3(monkeypatch)
-    row = next(c for c in run_parity(tiny_dg_mlx_dir, options).checks if c.name == "implementation_layers")
-    assert row.status == "fail" and row.metrics["routing_flips"] == 1
-    assert any("decoder layer 1 position 3" in f for f in row.failures), row.failures
-    stage = next(r for r in row.details["cases"]["p0.arange"]["stages"] if r["stage"] == "decoder 1")
-    assert stage["excused"] == 1 and stage["cosine_min"] > 0.99999
-
-
-def test_layer_local_check_names_only_the_wrong_layer(tiny_dg_dir, tiny_dg_vision_dir, tiny_dg_vision_mlx_dir,
-                                                      tmp_path, monkeypatch):
-    """A bug in one MLX layer (its output off by 1e-3, relative): the end-to-end
-    layers after it inherit the error; fed the reference's input, only that
-    layer (in the encoder and the decoder, which share its code) fails, every
-    other stage agrees to float32 rounding. With images: the image case too."""
-    from dlm.runtime.models.diffusion_gemma.layers import DecoderLayer
-
-    real = DecoderLayer.__call__
-
-    def wrong(self, x, *args, **kwargs):
-        out = real(self, x, *args, **kwargs)
-        if self.index == 2 and out is not None:
-            out = out * (1 + 1e-3 * mx.sin(mx.arange(out.shape[-1], dtype=out.dtype)))
-        return out
-
-    monkeypatch.setattr(DecoderLayer, "__call__", wrong)
-    report = run_parity(tiny_dg_vision_mlx_dir, verify_options(reference=str(tiny_dg_vision_dir),
-                                                               long_prompt=False, stream_prompts=0))
-    row = next(c for c in report.checks if c.name == "implementation_layers")
-    assert row.status == "fail" and any("rel_max" in f for f in row.failures), row.failures
-    cases = row.details["cases"]
-    assert any(c.startswith("image.") for c in cases), list(cases)
-    for case, c in cases.items():
-        bad = {r["stage"] for r in c["stages"] if r["rel_max"] > 1e-4}
-        assert bad == {"encoder 2", "decoder 2"}, (case, bad)
-        assert max(r["rel_max"] for r in c["stages"] if r["stage"] not in bad) < 1e-5, case
-    # End to end, the layers after it carry the error on.
-    later = report.layers["implementation"]["cases"]["p0.arange"]["stacks"]["encoder"][3]
-    assert later["rel_max"] > 1e-4
-
-
-def test_the_same_weights_reference_follows_mlx_routing(tiny_dg_dir, tmp_path, monkeypatch):
-    """4-bit: the same-weights reference routes as MLX routed (dlm.verify.routes).
-    A flip then leaves the logits and hidden states equal, and the check judges
-    the reference's own margin for the expert it was made to take: a clear one
-    fails the row naming the layer and position, one within the bound passes."""
-    q4 = convert_dir(tiny_dg_dir, tmp_path / "q4", quantize=True, q_bits=4, q_group_size=32)
-    options = verify_options(reference=str(tiny_dg_dir), long_prompt=False, stream_layers=True)
-    report = run_parity(q4, options)
-    impl = report.check("implementation")
-    assert impl.status == "pass" and impl.metrics["routing_forced"] > 100 and impl.metrics["routing_flips"] == 0
-    assert impl.details["routing"]["unforced"] == 0  # every routing keyed on both sides, streams too
-    assert any("followed MLX's routing" in n for n in report.notes)
-
-    _flip_decoder_layer_1_position_3(monkeypatch)
-    report = run_parity(q4, options)
-    impl = report.check("implementation")
-    assert impl.status == "fail" and impl.metrics["max_abs"] < 1e-4  # followed: the logits agree
-    assert impl.metrics["routing_flips"] >= 1 and impl.metrics["routing_margin_max"] > 1e-3
-    assert any("routing margin_max" in f and "decoder layer 1 position 3" in f for f in impl.failures)
-    assert report.check("commit_stream").metrics["identical_fraction"] == 1.0
-    layers = report.layers["implementation"]
-    assert layers["first_divergence"] is None and layers["routing"]["first_flip"]["layer"] == 1
-
-    loose = verify_options(reference=str(tiny_dg_dir), long_prompt=False, stream_layers=True,
-                           thresholds={**options.thresholds, "routing": {"margin_max": 100.0}})
-    assert run_parity(q4, loose).check("implementation").status == "pass"

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dlm.runtime.errors import ConfigError, DlmError  # noqa: E402
+from dlm.runtime.platform.errors import ConfigError, DlmError  # noqa: E402
 from dlm.verify import metrics as M  # noqa: E402
 from dlm.verify import thresholds as T  # noqa: E402
 from dlm.verify.protocol import BlockTrace, CommitStream, TraceRecorder  # noqa: E402
@@ -126,7 +126,7 @@ def test_dequantized_weights_are_the_runtimes_upcast_weights(bf16_q4):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from dlm.quantize.modes import module_quantization
+    from dlm.runtime.models.quant_modes import module_quantization
     from dlm.runtime.loader import load
     from dlm.verify.weights import dequantized_weights
 
@@ -308,8 +308,8 @@ def test_logits_prompts_keeps_the_first_prompts_in_order(tiny_dg_dir, tmp_path):
 
 
 def test_drift_check_flags_extra_denoising_steps():
-    """Quantized logits that make the entropy-bound sampler run longer (field
-    notes §6.1) fail the drift check on steps per canvas."""
+    """Quantized logits that make the entropy-bound sampler run longer (mlx-vlm
+    PR #1359) fail the drift check on steps per canvas."""
     from dlm.verify.checks import check_drift
     from dlm.verify.weights import Precision
 

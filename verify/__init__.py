@@ -3,7 +3,7 @@
 Layout: ``protocol.py`` (the family plug-in protocol: read it before adding a
 family), ``<family>/`` (one adapter package per family, found through
 ``dlm.runtime.registry``), ``suite.py`` (record / run_parity orchestration),
-``metrics.py`` / ``thresholds.py`` / ``checks.py`` (shared numbers and
+``parity_report.py`` (run_parity's rows and report), ``metrics.py`` / ``thresholds.py`` / ``checks.py`` (shared numbers and
 verdicts), ``weights.py`` / ``dequant.py`` (precision, dequantized weights), ``source.py`` /
 ``prompts.py`` / ``budget.py`` (reference resolution, prompt ids, how many
 prompts, canvases and steps), ``bundle.py`` (record once,

@@ -40,9 +40,9 @@ from typing import Optional
 
 import numpy as np
 
-from dlm.runtime.errors import ConfigError, DlmError
+from dlm.runtime.platform.errors import ConfigError, DlmError
 
-from dlm.runtime.inputs import ImageInput
+from dlm.runtime.generation.inputs import ImageInput
 
 from .images import ImagePrompt, ImageSet
 from .protocol import BlockTrace, CommitStream, LogitCase

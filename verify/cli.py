@@ -15,8 +15,8 @@ from pathlib import Path
 
 import click
 
-from dlm.runtime.console import Group, echo_environment_notes
-from dlm.runtime.errors import DlmError
+from dlm.runtime.cli.console import Group, echo_environment_notes
+from dlm.runtime.platform.errors import DlmError
 
 from .budget import BUDGET, budget_help
 from .protocol import REFERENCE_DTYPES

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlm.runtime.errors import ConfigError
+from dlm.runtime.platform.errors import ConfigError
 
 
 def text_config(config: dict) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlm.runtime.inputs import ImageInput, PromptInputs
+from dlm.runtime.generation.inputs import ImageInput, PromptInputs
 
 from .protocol import LogitCase
 
@@ -107,7 +107,7 @@ def image_prompts(model_dir: str | Path, config: dict, trust_remote_code: bool =
     model_dir = Path(model_dir)
     where = str(model_dir / "config.json")
     family = family_for_config(config, where)
-    args = family.model().ModelArgs.from_config(config, where)
+    args = family.config.from_config(config, where)
     tokenizer = loader.load_tokenizer(model_dir, trust_remote_code)
     # Only what encode_inputs reads: tokenizer, family, args, path (no model).
     stub = loader.LoadedModel(model_dir, config, args, family, None, tokenizer, source=str(model_dir))

@@ -5,7 +5,7 @@ dlm.verify.layers) run each framework on its own hidden states, so a layer's
 rounding error is the next layer's input error. On a deep random checkpoint
 that grows about 2× a layer: at the released DiffusionGemma geometry
 transformers' own float32 against float64 ends at top-1 0.08
-(``scripts/probe_rounding.py``), so no float32 implementation passes an
+(``scripts/bench/probe_rounding.py``), so no float32 implementation passes an
 end-to-end check there. This check removes the compounding:
 
 * the same-weights reference runs the diagnostic cases (``layers.py``'s
@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from dlm.runtime.errors import DlmError
+from dlm.runtime.platform.errors import DlmError
 
 from . import layers as L
 from .checks import CheckResult

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dlm.runtime.errors import ConfigError
+from dlm.runtime.platform.errors import ConfigError
 
 BUILTIN = [
     "Why is the sky blue?",

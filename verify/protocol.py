@@ -1,12 +1,13 @@
 """The family plug-in protocol of ``dlm-verify`` and the data it exchanges.
 
 dlm-verify never branches on ``model_type``. It asks the registry
-(``dlm.runtime.registry.family_for_config(config).reference()``) for the
-family's *verify adapter*: the module named by ``Family.reference_module``
-(``dlm.verify.reference_<family>``). That module exposes the functions below;
-everything else (metrics, thresholds, checks, bundles, reports, CLI) is shared.
+(``dlm.runtime.registry.family_for_config(config)``) for the family, whose
+declaration names its *verify adapter* (``Family.reference``:
+``dlm.verify.<family>.adapter``, imported by ``adapter_for``). That module
+exposes the functions below; everything else (metrics, thresholds, checks,
+bundles, reports, CLI) is shared.
 
-Adapter functions (module level, in ``verify/reference_<family>.py``)
+Adapter functions (module level, in ``verify/<family>/adapter.py``)
 ---------------------------------------------------------------------
 
 ``load_reference(path, *, dtype="float32", weights=None, trust_remote_code=False, stream=False) -> object``
@@ -20,7 +21,7 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
     the family's ``to_hf``, in ``runtime/models/<family>/weights.py``). With ``weights`` given, ``path`` may be the
     converted MLX directory (only its config.json is then read). Never run
     checkpoint code unless ``trust_remote_code``. Raise
-    ``dlm.runtime.errors.DlmError`` (or a subclass) with a clear message when
+    ``dlm.runtime.platform.errors.DlmError`` (or a subclass) with a clear message when
     the reference cannot be built. Returns an opaque handle that the other
     ``reference_*`` functions receive. ``stream``: build the same reference
     with its layers' weights streamed from disk (``dlm.verify.streaming``:
@@ -78,7 +79,7 @@ Adapter functions (module level, in ``verify/reference_<family>.py``)
 ``reference_commit_stream(ref, prompt_ids, settings) -> CommitStream``
 ``mlx_commit_stream(loaded, prompt_ids, settings) -> CommitStream``
     Deterministic generation in each framework (DiffusionGemma: the debug
-    canvas of reference §4.9; LLaDA-2: greedy-fixed sampling), with a per-step
+    canvas, as lablup/mlxcel's ``debug_canvas_pattern``; LLaDA-2: greedy-fixed sampling), with a per-step
     trace: the argmax of every denoising step and the top-K logits at every
     position (``CommitStream`` below; build it with ``TraceRecorder``). The
     MLX side must drive the runtime's own loop (``dlm.runtime.api
@@ -99,7 +100,7 @@ With them the suite also checks the image path on the built-in test images
 .encode_inputs``; then ``reference_logits`` / ``mlx_logits`` also get cases
 whose ``images`` are set (their preprocessed images, in prompt order), and
 ``reference_commit_stream`` / ``mlx_commit_stream`` also get a
-``dlm.runtime.inputs.PromptInputs`` in place of the ids.
+``dlm.runtime.generation.inputs.PromptInputs`` in place of the ids.
 
 ``has_vision(config) -> bool``
     Whether a config.json (original or converted) describes a vision tower
@@ -116,7 +117,7 @@ whose ``images`` are set (their preprocessed images, in prompt order), and
 ``reference_image_features(ref, image) -> np.ndarray``
 ``mlx_image_features(loaded, image) -> np.ndarray``
     float32 ``[soft_tokens, hidden]``: one preprocessed image
-    (``dlm.runtime.inputs.ImageInput``) through the vision tower and its
+    (``dlm.runtime.generation.inputs.ImageInput``) through the vision tower and its
     projection into the text embedding space, as the prompt embeds it.
 
 ``is_vision_weight(name) -> bool``
@@ -141,7 +142,7 @@ from typing import Optional
 
 import numpy as np
 
-from dlm.runtime.errors import ConfigError
+from dlm.runtime.platform.errors import ConfigError
 
 REFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -169,7 +170,7 @@ class LogitCase:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     # JSON-able description (kind, canvas pattern, dependencies, ...).
     meta: dict = field(default_factory=dict)
-    # Image cases: the prompt's preprocessed images (dlm.runtime.inputs.ImageInput), in order.
+    # Image cases: the prompt's preprocessed images (dlm.runtime.generation.inputs.ImageInput), in order.
     images: list = field(default_factory=list)
 
     def describe(self) -> str:
@@ -283,6 +284,13 @@ IMAGE_HOOKS = (
     "mlx_image_features",
     "is_vision_weight",
 )
+
+
+def adapter_for(family):
+    """The family's verify adapter module (``Family.reference``), imported on first use."""
+    import importlib
+
+    return importlib.import_module(family.reference)
 
 
 def has_image_hooks(module) -> bool:

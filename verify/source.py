@@ -2,7 +2,7 @@
 
 Default: the source recorded by the converter in the converted config.json
 (``"dlm": {"source": ..., "revision": ...}``). Repo ids are resolved by the
-converter's ``dlm.convert.source.resolve_source`` (the same files, cache and
+converter's ``dlm.runtime.hub.resolve_source`` (the same files, cache and
 HF_HUB_OFFLINE rules as dlm-convert).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlm.runtime.errors import DlmError
+from dlm.runtime.platform.errors import DlmError
 
 def recorded_source(config: dict) -> tuple[str | None, str | None]:
     meta = config.get("dlm") or {}
@@ -29,7 +29,7 @@ def resolve_reference(source: str, revision: str | None = None) -> Path:
         raise DlmError(f"reference {source}: not a directory")
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise DlmError(f"reference {source!r}: no such directory, and not a Hub repo id (org/name)")
-    from dlm.convert.source import offline, resolve_source
+    from dlm.runtime.hub import offline, resolve_source
 
     try:
         return resolve_source(source, revision=revision).path

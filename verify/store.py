@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlm.runtime.errors import ConfigError
+from dlm.runtime.platform.errors import ConfigError
 
 _TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.float16): "F16",
           np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",

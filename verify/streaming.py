@@ -40,7 +40,7 @@ from typing import Optional
 
 import numpy as np
 
-from dlm.runtime.errors import DlmError, WeightError
+from dlm.runtime.platform.errors import DlmError, WeightError
 
 from . import memory as M
 from .progress import LayerBar
@@ -48,7 +48,7 @@ from .progress import LayerBar
 # Stream when what a whole-model run holds at its peak (the reference in its
 # dtype and, for the same-weights reference, the loaded MLX model and the
 # dequantized weights: ``whole_parts``) would take more than this share of the
-# memory budget (dlm.runtime.memory.budget_bytes).
+# memory budget (dlm.runtime.platform.memory.budget_bytes).
 AUTO_FRACTION = 0.5
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -273,7 +273,7 @@ def decide(option: Optional[bool], need: int | Mapping[str, int], held: int = 0)
     leaves out of the budget already: added back so it is not counted twice."""
     if option is not None:
         return bool(option), "--stream-layers" if option else "--no-stream-layers"
-    from dlm.runtime.memory import budget_bytes
+    from dlm.runtime.platform.memory import budget_bytes
 
     parts = dict(need) if isinstance(need, Mapping) else {"the reference": int(need)}
     total = sum(parts.values())

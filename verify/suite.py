@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import Optional, Union
 
 from dlm.runtime.checkpoint import read_json
-from dlm.runtime.errors import ConfigError, DlmError
+from dlm.runtime.platform.errors import ConfigError, DlmError
 from dlm.runtime.registry import family_for_config
 
 from . import bundle as B
-from . import checks as C
-from . import layers as L
 from . import local as LOC
 from . import memory as M
+from . import parity_report as X
 from . import passes as P
 from . import routes as R
 from . import streaming as S
@@ -45,7 +44,7 @@ from .store import ArrayStore
 from . import weights as W
 from . import image_suite as I
 from .progress import tqdm as _tqdm
-from .protocol import check_adapter
+from .protocol import adapter_for, check_adapter
 from .compat import check_compatible, generation_config_differences, text_config
 from .report import Report
 from .source import recorded_source, resolve_reference
@@ -80,7 +79,7 @@ class Options:
 def _adapter(config: dict, where: str):
     family = family_for_config(config, where)
     try:
-        adapter = family.reference()
+        adapter = adapter_for(family)
     except ImportError as exc:
         raise DlmError(f"dlm-verify has no reference for the {family.name} family ({exc})") from None
     check_adapter(adapter)
@@ -97,14 +96,6 @@ def _versions() -> dict:
         except Exception:
             pass
     return out
-
-
-def _backend() -> dict:
-    """Where the MLX side ran and how its float32 products were computed
-    (dlm.runtime.precision: TF32 on a GPU would blur float32 parity)."""
-    from dlm.runtime import backend, precision
-
-    return {"device": backend.device_name(), "float32_matmul": precision.describe()}
 
 
 AUTO = "auto"
@@ -318,7 +309,7 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
     t = time.perf_counter()
     upcast = bool(getattr(loaded, "upcast", False))
     dequantized = W.dequantized_weights(mlx_dir, config, upcast=upcast)
-    source = S.MlxSource(dequantized, family.model().to_hf)
+    source = S.MlxSource(dequantized, family.weights.to_hf)
     held = _mlx_bytes(loaded) if loaded is not None else 0
     parts = S.whole_parts(source, dtype, mlx_bytes=held)
     need = sum(parts.values())
@@ -327,7 +318,7 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
         ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=source,
                                      trust_remote_code=options.trust_remote_code, stream=True)
     else:
-        weights = family.model().to_hf(dequantized)
+        weights = family.weights.to_hf(dequantized)
         ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
                                      trust_remote_code=options.trust_remote_code)
         del weights
@@ -355,7 +346,7 @@ def _same_as_original(mlx_dir: Path, config: dict, family, bundle: B.Bundle, pre
         return ""
     import numpy as np
 
-    mlx = S.MlxSource(W.dequantized_weights(mlx_dir, config, upcast=upcast), family.model().to_hf)
+    mlx = S.MlxSource(W.dequantized_weights(mlx_dir, config, upcast=upcast), family.weights.to_hf)
     checkpoint = S.CheckpointSource(path)
     names = list(mlx.keys())
     if not names or any(n not in checkpoint for n in names):
@@ -394,25 +385,34 @@ def run_parity(mlx_dir, options: Options) -> Report:
 
 
 def _run_parity(mlx_dir, options: Options) -> Report:
-    from dlm.runtime import loader
-
+    """The steps of a comparison, in order; each phase's timings and notes go
+    into the report in the order they happen."""
     start = time.perf_counter()
     mlx_dir = Path(mlx_dir).expanduser()
     if not (mlx_dir / "config.json").exists():
         raise ConfigError(f"{mlx_dir}: not a converted model directory (no config.json)")
     config = read_json(mlx_dir / "config.json", "config")
     family, adapter = _adapter(config, str(mlx_dir / "config.json"))
-    timings: dict = {}
-    notes: list[str] = []
+    run = X.Parity(mlx_dir=mlx_dir, config=config, family=family, adapter=adapter, options=options)
+    run.bundle, run.reference = _original_reference(run)
+    _run_mlx(run)
+    _same_weights_reference(run)
+    _layer_local(run)
+    return X.checks_and_report(run, start)
 
+
+def _original_reference(run: X.Parity) -> tuple[B.Bundle, dict]:
+    """The original-weights reference: a recorded bundle, or a live run of the
+    checkpoint the conversion names (or --reference); checked to fit the model."""
+    options, config, mlx_dir = run.options, run.config, run.mlx_dir
     t = time.perf_counter()
     if options.bundle:
         bundle = B.load(Path(options.bundle))
         if options.prompts_file:
-            notes.append("--prompts ignored: the bundle's prompts are used")
+            run.notes.append("--prompts ignored: the bundle's prompts are used")
         reference = dict(bundle.original.meta, bundle=str(bundle.path))
-        timings["reference"] = {"bundle": round(time.perf_counter() - t, 3),
-                                "recorded": bundle.original.meta.get("timings", {})}
+        run.timings["reference"] = {"bundle": round(time.perf_counter() - t, 3),
+                                    "recorded": bundle.original.meta.get("timings", {})}
     else:
         source, revision = options.reference, options.revision
         if not source:
@@ -426,168 +426,124 @@ def _run_parity(mlx_dir, options: Options) -> Report:
         # A text-only conversion cannot use image cases: do not record them.
         # The original run's layer-local record serves only an unquantized model (_same_as_original).
         live = Options(**{**options.__dict__, "reference": source, "revision": revision,
-                          "images": I.mlx_takes_images(adapter, config, options)[0],
+                          "images": I.mlx_takes_images(run.adapter, config, options)[0],
                           "local_original": not W.precision(mlx_dir, config).quantized})
-        bundle = record(source, live, expect_family=family.name)
+        bundle = record(source, live, expect_family=run.family.name)
         reference = dict(bundle.original.meta)
-        timings["reference"] = bundle.original.meta.get("timings", {})
+        run.timings["reference"] = bundle.original.meta.get("timings", {})
     what = f"bundle {options.bundle}" if options.bundle else f"reference {reference.get('source')}"
-    if bundle.family != family.name:
-        raise ConfigError(f"{what} is a {bundle.family} model; {mlx_dir} is {family.name}")
+    if bundle.family != run.family.name:
+        raise ConfigError(f"{what} is a {bundle.family} model; {mlx_dir} is {run.family.name}")
     check_compatible(bundle, config, str(mlx_dir / "config.json"))
+    return bundle, reference
 
+
+def _run_mlx(run: X.Parity) -> None:
+    """Load the MLX model, take its logits, commit streams and image passes
+    (recording its routing for the same-weights reference), then release it."""
+    from dlm.runtime import loader
+
+    options, adapter, bundle, mlx_dir = run.options, run.adapter, run.bundle, run.mlx_dir
     mlx_t: dict = {}
     t = time.perf_counter()
     # Prompts are token ids: no tokenizer needed (nor transformers, on a torch-less machine).
     loaded = loader.load(mlx_dir, trust_remote_code=options.trust_remote_code, tokenizer=False)
-    prec = W.precision(mlx_dir, config)
+    prec = W.precision(mlx_dir, run.config)
     mlx_t["load"] = time.perf_counter() - t
     compute = adapter.compute_dtype(loaded) if hasattr(adapter, "compute_dtype") else prec.compute_dtype
     if loaded.upcast:
         # Half-precision weights upcast for the CPU backend: the stored precision
         # still sets what the original-weights comparison may lose.
-        notes.append(f"MLX computed in float32: the {prec.compute_dtype} weights were upcast at load for the "
-                     "CPU backend (--compute-dtype native keeps them)")
+        run.notes.append(f"MLX computed in float32: the {prec.compute_dtype} weights were upcast at load for the "
+                         "CPU backend (--compute-dtype native keeps them)")
     elif compute != prec.compute_dtype:
         prec = W.Precision(prec.label if prec.quantized else compute, compute, prec.bits, prec.mode)
+    run.loaded, run.prec, run.compute = loaded, prec, compute
     differ = generation_config_differences(bundle.settings, loaded.generation_config)
     if differ:
-        notes.append("the MLX generation_config.json differs from the reference's ("
-                     + ", ".join(differ) + "): commit streams may diverge for that reason")
-    images, image_note = I.usable(adapter, config, bundle, options)
+        run.notes.append("the MLX generation_config.json differs from the reference's ("
+                         + ", ".join(differ) + "): commit streams may diverge for that reason")
+    images, image_note = I.usable(adapter, run.config, bundle, options)
     if image_note:
-        notes.append(image_note)
-    layer_cases = _bundle_layer_cases(adapter, bundle, images)
-    mlx_hidden: dict = {}
+        run.notes.append(image_note)
+    run.images = images
+    run.layer_cases = layer_cases = _bundle_layer_cases(adapter, bundle, images)
+    hidden = run.mlx_hidden
     routes = R.RouteLog() if options.implementation else None  # what the same-weights reference follows
     with P.routing(adapter, "record_mlx_routes", loaded, routes):
         t = time.perf_counter()
-        mlx_logits = ArrayStore()
         with M.phase("MLX: logits"):
             for case in _tqdm(bundle.cases, "MLX: logits", options.progress):
-                mlx_logits[case.name] = P.mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases)
+                run.mlx_logits[case.name] = P.mlx_logits(adapter, loaded, case, hidden, layer_cases)
         mlx_t["logits"] = time.perf_counter() - t
         t = time.perf_counter()
-        mlx_streams = []
         with M.phase("MLX: commit streams"):
             for i in _tqdm(bundle.stream_prompts, "MLX: commit streams", options.progress):
                 with R.job(f"stream:{i}"):
-                    mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
+                    run.mlx_streams.append(adapter.mlx_commit_stream(loaded, bundle.prompts[i], bundle.settings))
         mlx_t["streams"] = time.perf_counter() - t
-        mlx_t["stream_forwards"] = _forwards(mlx_streams)
-        mlx_images = None
+        mlx_t["stream_forwards"] = _forwards(run.mlx_streams)
         if images:
             t = time.perf_counter()
-            mlx_images = I.run_mlx(adapter, loaded, images, bundle.settings, options.progress,
-                                   logits=lambda case: P.mlx_logits(adapter, loaded, case, mlx_hidden, layer_cases))
+            run.mlx_images = I.run_mlx(adapter, loaded, images, bundle.settings, options.progress,
+                                       logits=lambda case: P.mlx_logits(adapter, loaded, case, hidden, layer_cases))
             mlx_t["images"] = time.perf_counter() - t
-    routes = routes if routes else None  # nothing recorded: a family without routing hooks
-    timings["mlx"] = _rounded(mlx_t)
+    run.routes = routes if routes else None  # nothing recorded: a family without routing hooks
+    run.timings["mlx"] = _rounded(mlx_t)
     _release(loaded)  # everything below needs only its outputs (and loaded.upcast)
 
+
+def _same_weights_reference(run: X.Parity) -> None:
+    """The reference with the MLX model's own weights (check 2): recorded in
+    the bundle for these weights, the original one where the weights are the
+    checkpoint's bit for bit, else a run of its own."""
     t = time.perf_counter()
+    options, bundle, mlx_dir, upcast = run.options, run.bundle, run.mlx_dir, run.loaded.upcast
     matched, matched_note = None, ""
     if options.implementation:
         fp = W.fingerprint(mlx_dir)
         if bundle.matched is not None and bundle.matched.meta.get("fingerprint") == fp:
             matched, matched_note = bundle.matched, "recorded in the bundle for these exact weights"
-            matched_note += _scales_mismatch(matched, mlx_dir, config, loaded.upcast)
+            matched_note += _scales_mismatch(matched, mlx_dir, run.config, upcast)
         else:
             try:
                 import torch  # noqa: F401
             except ImportError:
                 matched_note = "needs torch (or a bundle recorded with --mlx for these weights)"
             else:
-                same = _same_as_original(mlx_dir, config, family, bundle, prec, loaded.upcast)
+                same = _same_as_original(mlx_dir, run.config, run.family, bundle, run.prec, upcast)
                 if same:
                     matched, matched_note = bundle.original, same
                 else:
-                    matched = _matched_run(mlx_dir, bundle, family, adapter, options, loaded=loaded,
-                                           routes=routes)
+                    matched = _matched_run(mlx_dir, bundle, run.family, run.adapter, options, loaded=run.loaded,
+                                           routes=run.routes)
                     matched_note = f"reference run with the MLX weights in {matched.meta['dtype']}"
                     if matched.meta.get("mode") == "streamed":
                         matched_note += ", layer-streamed"
     else:
         matched_note = "disabled (--no-implementation)"
-    reused = matched is bundle.original
-    timings["implementation"] = (dict(matched.meta.get("timings", {}), total=round(time.perf_counter() - t, 3))
-                                 if matched is not None and not reused
-                                 else {"total": round(time.perf_counter() - t, 3),
-                                       **({"reused": "the original-weights reference"} if reused else {})})
+    run.matched, run.matched_note = matched, matched_note
+    reused = run.reused
+    run.timings["implementation"] = (
+        dict(matched.meta.get("timings", {}), total=round(time.perf_counter() - t, 3))
+        if matched is not None and not reused
+        else {"total": round(time.perf_counter() - t, 3),
+              **({"reused": "the original-weights reference"} if reused else {})})
 
-    thr = options.thresholds
-    local_row = None
-    if matched is not None and options.local and LOC.recorded(matched):
-        t = time.perf_counter()
-        loaded = loader.load(mlx_dir, trust_remote_code=options.trust_remote_code, tokenizer=False)
-        with M.phase("MLX: layer-local"):
-            local_row = LOC.run_and_check(adapter, loaded, P.cases_by_name(bundle.cases, images), matched,
-                                          W.Precision(compute, compute, None, None), thr, options.progress)
-        _release(loaded)
-        timings["mlx"]["layer_local"] = round(time.perf_counter() - t, 3)
+
+def _layer_local(run: X.Parity) -> None:
+    """The layer-local row (dlm.verify.local): the MLX model loaded again and
+    fed the same-weights reference's recorded layer inputs."""
+    from dlm.runtime import loader
+
+    options = run.options
+    if run.matched is None or not options.local or not LOC.recorded(run.matched):
+        return
     t = time.perf_counter()
-    ref_dtype = bundle.original.meta.get("dtype", "float32")
-    # A half-precision reference cannot hold a float32 model to float32 bounds.
-    vs_original = prec
-    if ref_dtype != "float32" and prec.compute_dtype == "float32":
-        vs_original = W.Precision(prec.label, ref_dtype, prec.bits, prec.mode)
-    results = [C.check_logits("logits", bundle.original.logits, mlx_logits, vs_original, thr,
-                              note=f"reference in {ref_dtype}")]
-    if matched is not None:
-        results.append(C.check_logits("implementation", matched.logits, mlx_logits, prec, thr,
-                                      note=matched_note))
-        if matched.meta.get("routing") and not reused:
-            R.judge(results[-1], matched.meta["routing"], prec, thr)
-            notes.append(R.describe(matched.meta["routing"]))
-    else:
-        results.append(C.skipped("implementation", matched_note))
-    if local_row is not None:
-        results.append(local_row)
-    elif options.local and matched is not None and layer_cases:
-        results.append(C.skipped("implementation_layers", "the same-weights reference has no layer-local "
-                                 "record (a bundle recorded before it)"))
-    td = time.perf_counter()
-    results.append(C.check_drift(bundle.original.logits, mlx_logits, bundle.original.streams,
-                                 mlx_streams, prec, thr))
-    timings["drift"] = round(time.perf_counter() - td, 3)
-    if matched is not None:
-        results.append(C.check_commit_stream(matched.streams, mlx_streams, prec, thr,
-                                             note="vs the reference with the MLX weights",
-                                             original=bundle.original.streams))
-    elif not prec.quantized:
-        results.append(C.check_commit_stream(bundle.original.streams, mlx_streams, vs_original, thr,
-                                             note="vs the original reference"))
-    else:
-        results.append(C.skipped("commit_stream", "quantized model without the same-weights reference"))
-    if options.trace_dir:  # a side-by-side page per diverging commit stream (trace_view.py)
-        from .trace_view import write_divergences
-
-        compared = matched.streams if matched is not None else None if prec.quantized else bundle.original.streams
-        notes += write_divergences(options.trace_dir, mlx_dir, family, compared, mlx_streams,
-                                   "PyTorch reference" + (" (MLX weights)" if matched is not None else ""))
-    if images is not None:
-        vision = I.vision_precision(adapter, mlx_dir, config, loaded, compute)
-        results += I.rows(bundle, images, mlx_images, matched, matched_note, prec, vs_original, vision,
-                          compute, thr)
-    layers = {}
-    if matched is not None and matched.hidden:
-        same = W.Precision(compute, compute, None, None)  # same weights: judged by the compute dtype
-        layers["implementation"] = L.agreement(matched.hidden, mlx_hidden, same, thr,
-                                               "vs the reference with the MLX weights")
-    if bundle.original.hidden:
-        layers["original"] = L.agreement(bundle.original.hidden, mlx_hidden, vs_original, thr,
-                                         f"vs the original weights (reference in {ref_dtype})")
-    timings["checks"] = round(time.perf_counter() - t, 3)
-    timings["total"] = round(time.perf_counter() - start, 3)
-    modes = {"reference": bundle.original.meta.get("mode", "whole"),
-             "reference_reason": bundle.original.meta.get("mode_reason", "")}
-    if matched is not None and not reused:
-        modes.update(implementation=matched.meta.get("mode", "whole"),
-                     implementation_reason=matched.meta.get("mode_reason", ""))
-
-    return Report(
-        model=str(mlx_dir), family=family.name, precision=dict(prec.to_dict(), **_backend()), reference=reference,
-        checks=results, settings=dict(bundle.settings, stream_prompts=len(bundle.stream_prompts)),
-        prompts=len(bundle.prompts), cases=len(bundle.cases), timings=timings, notes=notes,
-        images=I.summary(images), layers=layers, streaming=modes,
-    )
+    loaded = loader.load(run.mlx_dir, trust_remote_code=options.trust_remote_code, tokenizer=False)
+    with M.phase("MLX: layer-local"):
+        run.local_row = LOC.run_and_check(run.adapter, loaded, P.cases_by_name(run.bundle.cases, run.images),
+                                          run.matched, W.Precision(run.compute, run.compute, None, None),
+                                          options.thresholds, options.progress)
+    _release(loaded)
+    run.timings["mlx"]["layer_local"] = round(time.perf_counter() - t, 3)

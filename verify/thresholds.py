@@ -21,7 +21,8 @@ never failing). The defaults are meant for real checkpoints:
 * ``drift`` (quantized vs original): KL / top-1 like llama.cpp's KLD
   statistics (Q4_K_M: mean KLD ~0.03-0.06, same-top ~86-98%), the share of
   committed tokens that match and the growth of denoising steps per canvas
-  (quantized logits make the entropy-bound sampler run longer; field notes §6.1).
+  (quantized logits make the entropy-bound sampler run longer: mlx-vlm PR #1359,
+  "Fix quantized Diffusion Gemma sampler speed").
 * ``commit_stream`` (debug-canvas generation vs the reference with the same
   weights): identical tokens and steps per canvas where the compute dtype is
   float32; in half precision each stream must be identical or first diverge
@@ -51,7 +52,7 @@ import copy
 import json
 from pathlib import Path
 
-from dlm.runtime.errors import ConfigError
+from dlm.runtime.platform.errors import ConfigError
 
 Bound = tuple[str, object]  # (op, value)
 

@@ -1,7 +1,7 @@
 """``dlm-verify --parity ... --trace-dir DIR``: a side-by-side denoising view
 of every commit stream that diverges, the PyTorch reference beside MLX.
 
-The page is the ``dlm-run generate --trace`` view (dlm.runtime.trace_html)
+The page is the ``dlm-run generate --trace`` view (dlm.runtime.trace.html)
 drawn twice with one step slider per canvas/block: the argmax of every step
 at every position, coloured by its confidence (the top-1 probability among
 the top-K logits the commit stream keeps), positions whose argmax changed at
@@ -17,8 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from dlm.runtime import trace_html
-from dlm.runtime.errors import DlmError
+from dlm.runtime.trace import html as trace_html
+from dlm.runtime.platform.errors import DlmError
 from dlm.runtime.trace import Trace
 
 from . import metrics as M
@@ -76,7 +76,7 @@ def write_divergences(trace_dir, mlx_dir: Path, family, reference: Optional[list
     if not reference:
         return []
     pages = []
-    tokenizer, unit = None, family.generation().Session.block_name  # "canvas" | "block"
+    tokenizer, unit = None, family.generation.Session.block_name  # "canvas" | "block"
     for i, (ref, out) in enumerate(zip(reference, mlx)):
         div = M.first_divergence(ref, out)
         if div is None:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dlm.quantize.modes import module_quantization
+from dlm.runtime.models.quant_modes import module_quantization
 from dlm.runtime.checkpoint import read_json, weight_files
-from dlm.runtime.errors import ConfigError, WeightError
+from dlm.runtime.platform.errors import ConfigError, WeightError
 
 from .dequant import maybe_dequantize
 

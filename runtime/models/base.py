@@ -11,11 +11,11 @@ naming the file and the key, never a traceback or a silent truncation.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..errors import ConfigError
+from ..platform import settings
+from ..platform.errors import ConfigError
 
 _REQUIRED = object()
 
@@ -23,7 +23,7 @@ _REQUIRED = object()
 def compile_enabled() -> bool:
     """Whether the families fuse their layers' fixed-shape pieces with mx.compile
     (``DLM_COMPILE=0``: off, to compare or to debug)."""
-    return os.environ.get("DLM_COMPILE", "1") != "0"
+    return settings.COMPILE.get()
 
 
 @dataclass(kw_only=True)

@@ -19,11 +19,11 @@ sequence makes alone.
 one sequence and are the plain call otherwise (a sequence alone runs exactly
 what it ran before). Quantized matmuls run merged: MLX's own CPU kernel
 computes every row on its own (checked in tests/test_batch_rows.py); those
-dequantized per call (quantized.py) get one GEMM per sequence as float ones do.
+dequantized per call (cpu/dequant.py) get one GEMM per sequence as float ones do.
 
 These are the CPU backend's guarantees. On CUDA (one H200 run, with TF32
 products) tests/test_batch_rows.py's bit-for-bit checks failed: a batched
-cuBLAS call need not run the sequence's own kernel (scripts/cuda_bench.sh
+cuBLAS call need not run the sequence's own kernel (scripts/bench/cuda_bench.sh
 measures the cost of these per-sequence GEMMs there: bench_batch --merged-rows).
 """
 
@@ -33,7 +33,7 @@ import math
 
 import mlx.core as mx
 
-from . import quantized  # (quantized.py imports this module inside its functions)
+from .cpu import dequant
 
 
 def _batched(x: mx.array) -> bool:
@@ -44,7 +44,7 @@ def _batched(x: mx.array) -> bool:
 # element offsets: with a broadcast weight, element i's offset i * in * out
 # wraps past 2^31 and the GEMM reads outside the weight (a segfault, or rows
 # silently wrong: the released DiffusionGemma's tied head, 262144 x 2816, from
-# a batch of 4; scripts/probe_batch_offsets.py). Such a batch runs its
+# a batch of 4; scripts/bench/probe_batch_offsets.py). Such a batch runs its
 # sequences' GEMMs one op each: the same GEMM calls.
 OFFSET_LIMIT = 2**31
 
@@ -72,7 +72,7 @@ def matmul(x: mx.array, w: mx.array) -> mx.array:
 def linear(module, x: mx.array) -> mx.array:
     """``module(x)`` (an ``nn.Linear``, or a quantized one), one GEMM per sequence."""
     if "scales" in module:
-        return quantized.linear(module, x) if quantized.wants(module, x) else module(x)
+        return dequantized_linear(module, x) if dequant.wants(module, x) else module(x)
     if not _batched(x):
         return module(x)
     w = module["weight"].T
@@ -86,10 +86,45 @@ def linear(module, x: mx.array) -> mx.array:
 def as_linear(embedding, x: mx.array) -> mx.array:
     """``embedding.as_linear(x)`` (tied output head), one GEMM per sequence."""
     if "scales" in embedding:
-        return quantized.linear(embedding, x) if quantized.wants(embedding, x) else embedding.as_linear(x)
+        return dequantized_linear(embedding, x) if dequant.wants(embedding, x) else embedding.as_linear(x)
     if not _batched(x):
         return embedding.as_linear(x)
     return matmul(x, embedding["weight"].T)
+
+
+def dequantized_linear(module, x: mx.array) -> mx.array:
+    """``x @ W.T`` (+ bias) of a quantized linear or a tied quantized embedding
+    (``as_linear``), the weight dequantized per output slice; one GEMM per
+    sequence of a batch. Output in ``x``'s dtype."""
+    return linear_each(module, [x])[0]
+
+
+def linear_each(module, xs: list[mx.array]) -> list[mx.array]:
+    """``linear`` of each of ``xs`` (inputs of any row counts, a batch's
+    sequences that cannot stack: LLaDA-2's masked rows), each output slice
+    dequantized once for all of them; each input gets the GEMMs it gets alone."""
+    if not xs:
+        return []
+    xfs = [x.astype(mx.float32) for x in xs]
+    parts = dequant.pieces(module, lambda a, b, w: [matmul(xf, w.T) for xf in xfs])
+    out = []
+    for j, x in enumerate(xs):
+        y = mx.concatenate([p[j] for p in parts], axis=-1) if len(parts) > 1 else parts[0][j]
+        if "bias" in module:
+            y = y + module["bias"].astype(mx.float32)
+        out.append(y.astype(x.dtype))
+    return out
+
+
+def embedding_matmul(module, p: mx.array) -> mx.array:
+    """``p @ W`` of a quantized embedding (``p`` [..., vocab], float32 out):
+    each vocabulary slice dequantized per call, the slices' products summed."""
+    pf = p.astype(mx.float32)
+    parts = dequant.pieces(module, lambda a, b, w: matmul(pf[..., a:b], w))
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def per_sequence(rows: int, sequences: int) -> int:

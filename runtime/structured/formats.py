@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..errors import GenerationError
+from ..platform.errors import GenerationError
 
 JSON_OBJECT, JSON_SCHEMA = "json_object", "json_schema"
 TOOL_CALLS = "tool_calls"  # internal: a forced tool_choice (tools.call_grammar)

@@ -13,7 +13,7 @@ from dlm.runtime import api  # before MLX: dlm.runtime loads the optimized BLAS 
 
 import mlx.core as mx  # noqa: E402  (isort: skip)
 from dlm.runtime.batch import Batcher
-from dlm.runtime.models import switch
+from dlm.runtime.models.cpu import experts as cpu_experts
 from dlm.runtime.models.diffusion_gemma import batch as dg_batch
 from tests import ROOT
 
@@ -109,10 +109,10 @@ def test_every_step_logits_equal_solo_bitwise(loaded, group_sizes, encode_sizes)
 
 
 def test_numpy_vocabulary_rows_equal_solo(loaded, group_sizes, monkeypatch):
-    """The CPU backend's numpy path for the softcap and the scores (cpu_vocab.py,
+    """The CPU backend's numpy path for the softcap and the scores (cpu/vocab.py,
     taken at the released geometry) forced at every size: batched requests still
     get their solo commit streams, and every step's logits to the last bit."""
-    from dlm.runtime.models import cpu_vocab
+    from dlm.runtime.models.cpu import vocab as cpu_vocab
 
     calls = []
     real = cpu_vocab.score_rows
@@ -132,7 +132,7 @@ def test_vocabulary_path_is_chosen_per_sequence(loaded, group_sizes, monkeypatch
     threshold between one canvas's logits and a batch's (as at the released
     geometry, where a canvas of 8 stays in MLX and four of them would not),
     a batch of short canvases stays on the path each takes alone, bit for bit."""
-    from dlm.runtime.models import cpu_vocab
+    from dlm.runtime.models.cpu import vocab as cpu_vocab
 
     vocab = loaded.args.vocab_size
     monkeypatch.setattr(cpu_vocab, "MIN_ENTRIES", 10 * vocab)  # one canvas of 8: MLX; three: would be numpy
@@ -271,13 +271,13 @@ def test_grouped_cpu_experts_per_sequence(tiny_dg_mlx_dir, monkeypatch, mode, ro
     they run when one canvas routes enough rows per expert: at 4 each canvas runs
     that way alone; at 5 it runs gather_mm alone although the batch's 64 copies
     would pass. Every way the batch runs each canvas as it runs alone."""
-    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
-    monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", rows_per_expert)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_ROWS_PER_EXPERT", rows_per_expert)
     monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
     fresh = api.load(tiny_dg_mlx_dir)  # compiled pieces follow the policy of their first use
     experts = fresh.model.layers[0].experts
-    assert experts.eager and switch.stacks(experts.gate_up_proj) == (mode == "")
-    assert switch.grouped(16, 4, experts.gate_up_proj) == (rows_per_expert == 4)
+    assert experts.eager and cpu_experts.stacks(experts.gate_up_proj) == (mode == "")
+    assert cpu_experts.grouped(16, 4, experts.gate_up_proj) == (rows_per_expert == 4)
     options = [{"max_tokens": 16, "max_denoising_steps": 3, "seed": i} for i in range(4)]
     prompts = [SHORT, LONG, SHORT[:5], LONG[:20]]
     want = solo(fresh, prompts, options)
@@ -287,7 +287,7 @@ def test_grouped_cpu_experts_per_sequence(tiny_dg_mlx_dir, monkeypatch, mode, ro
 
 
 def test_bad_request_names_the_prompt(loaded):
-    from dlm.runtime.errors import GenerationError
+    from dlm.runtime.platform.errors import GenerationError
 
     with pytest.raises(GenerationError, match="prompt 1: .*--top-k does not apply"):
         api.generate_batch(loaded, [SHORT, SHORT], [{}, {"top_k": 3}])

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from dlm.runtime import api
-from dlm.runtime.cli import main
+from dlm.runtime.cli.main import main
 
 FAST = ["--max-denoising-steps", "2"]
 

@@ -28,7 +28,7 @@ LOW = re.compile(r"(\.experts\.(gate_up|down)_proj|self_conditioning\.(gate|up|d
 
 
 def expected_mlx_names(src_names, keep_vision: bool) -> set[str]:
-    """The mlx-community layout, from the reference §2.5 recipe."""
+    """The mlx-community layout, as mlx-vlm 0.7.10's ``diffusion_gemma`` ``Model.sanitize`` writes it."""
     out = set()
     for n in src_names:
         if n == "lm_head.weight":

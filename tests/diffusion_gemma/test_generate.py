@@ -1,6 +1,6 @@
 """DiffusionGemma generation loop: debug-canvas commit streams identical to
-transformers' own ``generate`` (random draws replaced by the reference §4.9
-pattern, multinomial by argmax), plus the runtime's own rules (max-tokens
+transformers' own ``generate`` (random draws replaced by lablup/mlxcel's
+``debug_canvas_pattern``, multinomial by argmax), plus the runtime's own rules (max-tokens
 trimming, canvas lengths, seeds, EOS, cancellation, samplers, streaming)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dlm.runtime import api
-from dlm.runtime.errors import GenerationError
+from dlm.runtime.platform.errors import GenerationError
 from tests.builders import DG_GENERATION, build_diffusion_gemma, convert_dir, load_diffusion_gemma_hf
 
 V, L = 512, 8

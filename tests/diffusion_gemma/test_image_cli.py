@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
-from dlm.runtime.cli import main
+from dlm.runtime.cli.main import main
 
 FAST = ["--max-tokens", "8", "--max-denoising-steps", "4", "--seed", "0"]
 OPTIONS = {"max_tokens": 8, "max_denoising_steps": 4, "seed": 0}

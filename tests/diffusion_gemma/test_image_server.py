@@ -18,9 +18,9 @@ from PIL import Image, ImageDraw
 
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
-from dlm.runtime.images import ImageLimits, RemoteImages
-from dlm.runtime.server import DEFAULT_IMAGE_BODY_BYTES, DEFAULT_MAX_BODY_BYTES, create_app, image_support
-from dlm.runtime.server_requests import ModelCaps, RequestError, parse_chat, parse_completion
+from dlm.runtime.generation.images import ImageLimits, RemoteImages
+from dlm.runtime.server.app import DEFAULT_IMAGE_BODY_BYTES, DEFAULT_MAX_BODY_BYTES, create_app, image_support
+from dlm.runtime.server.requests import ModelCaps, RequestError, parse_chat, parse_completion
 
 DEFAULTS = {"max_tokens": 8, "max_denoising_steps": 4}
 CAPS = ModelCaps(family="DiffusionGemma", text_only=False, max_images=3)
@@ -271,8 +271,8 @@ def test_an_unusable_image_processor_leaves_text_serving(serving):
 # -- the command line ----------------------------------------------------------------------
 
 def test_serve_image_flags(tiny_dg_vision_mlx_dir, monkeypatch):
-    from dlm.runtime import serve_cli
-    from dlm.runtime.cli import main
+    from dlm.runtime.cli import serve as serve_cli
+    from dlm.runtime.cli.main import main
 
     calls = []
     monkeypatch.setattr(serve_cli, "run_server", lambda app, sock, level: calls.append((app, sock)))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dlm.runtime import api
-from dlm.runtime.errors import ConfigError, UnsupportedModelError, WeightError
+from dlm.runtime.platform.errors import ConfigError, UnsupportedModelError, WeightError
 from dlm.runtime.loader import apply_quantization
 from dlm.runtime.models.diffusion_gemma import ModelArgs, Model, sanitize
 from tests import PEER

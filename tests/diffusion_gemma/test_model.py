@@ -102,15 +102,16 @@ def test_chunked_prefill_is_exact(loaded, tiny_dg_torch):
 def test_cpu_expert_kernels_match_transformers(tiny_dg_mlx_dir, tiny_dg_torch, monkeypatch, mode):
     """The tiny experts through the CPU's own kernels (their size floor lowered),
     prefill, a committed canvas and a decoder step, against transformers."""
-    from dlm.runtime.models import switch
+    from dlm.runtime.models.cpu import experts as cpu_experts
 
-    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
-    monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
     monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
     fresh = api.load(tiny_dg_mlx_dir)  # compiled pieces follow the policy of their first use
     experts = fresh.model.layers[0].experts
-    assert switch.stacks(experts.gate_up_proj, experts.down_proj) == (mode == "")
-    assert switch.grouped(len(CANVAS), experts.gate_up_proj["weight"].shape[0], experts.gate_up_proj) == (mode == "each")
+    assert cpu_experts.stacks(experts.gate_up_proj, experts.down_proj) == (mode == "")
+    assert cpu_experts.grouped(len(CANVAS), experts.gate_up_proj["weight"].shape[0],
+                               experts.gate_up_proj) == (mode == "each")
     ref = hf_logits(tiny_dg_torch, LONG, [CANVAS, CANVAS2])
     assert np.abs(mlx_logits(fresh, LONG, [CANVAS, CANVAS2]) - ref).max() < TOL
 
@@ -196,7 +197,7 @@ def test_bfloat16_weights_compute_in_float32_on_the_cpu_by_default(tiny_dg_dir, 
 
 def test_the_float32_upcast_stays_within_the_memory_budget(tiny_dg_dir, tmp_path, monkeypatch):
     """A bf16 model whose float32 copy would not fit keeps bf16 (experts in float32 for gather_mm)."""
-    from dlm.runtime import memory
+    from dlm.runtime.platform import memory
 
     bf16_dir = convert_dir(tiny_dg_dir, tmp_path / "bf16", dtype="bfloat16")
     monkeypatch.setattr(memory, "budget_bytes", lambda gb=None: 0 if gb is None else int(gb * 1e9))  # a full machine

@@ -1,6 +1,6 @@
 """dlm-convert output against mlx-vlm 0.7.10's converter (skipped unless the peer is installed).
 
-Install the peer as /work/main/.peer (see shared/reference/mlx_ecosystem.md §9.1):
+Install the peer as /work/main/.peer (mlx-vlm 0.7.10 and the pure-Python packages it imports, without deps):
     pip install --no-deps --target .peer mlx-vlm==0.7.10 requests certifi charset-normalizer idna urllib3 pillow
 """
 

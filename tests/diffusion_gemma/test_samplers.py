@@ -1,5 +1,8 @@
-"""Sampler units against hand-computed cases (reference §4.2-4.5, §4.9), the
-denoising loop with a fake model, and the thinking-channel parser."""
+"""Sampler units against hand-computed cases (transformers'
+``generation_diffusion_gemma.py``: ``_denoising_step``, ``EntropyBoundSampler``,
+``StableAndConfidentStoppingCriteria``; the debug canvas of lablup/mlxcel's
+``debug_canvas_pattern``), the denoising loop with a fake model, and the
+thinking-channel parser."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ import pytest
 from dlm.runtime.models.diffusion_gemma import sampling as S
 from dlm.runtime.models.diffusion_gemma.canvas import DebugDraws, DenoiseConfig, RandomDraws, denoise_canvas
 from dlm.runtime.models.diffusion_gemma.scores import score
-from dlm.runtime.generate import trim
-from dlm.runtime.text import ChannelParser
+from dlm.runtime.generation.progress import trim
+from dlm.runtime.generation.text import ChannelParser
 
 
 def test_linear_temperature_matches_torch_float32():

@@ -11,7 +11,7 @@ import pytest
 from dlm.runtime import api  # noqa: F401  (dlm.runtime before MLX: the optimized BLAS)
 
 import mlx.core as mx  # noqa: E402  (isort: skip)
-from dlm.runtime.models import cpu_streams  # noqa: E402
+from dlm.runtime.models.cpu import streams as cpu_streams  # noqa: E402
 from dlm.runtime.models.diffusion_gemma import scores as V  # noqa: E402
 from dlm.runtime.models.diffusion_gemma.model import softcap  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_split_over_cpu_streams_is_bitwise_one_stream(monkeypatch):
 def test_a_temperature_per_sequence_is_each_alone(monkeypatch, path):
     """A batch's canvases at different steps of the schedule are scored in one
     pass, a temperature per sequence ([B, 1, 1]); each sequence gets the bits it
-    gets alone at its own temperature, in MLX and through numpy (cpu_vocab.py)."""
+    gets alone at its own temperature, in MLX and through numpy (cpu/vocab.py)."""
     monkeypatch.setenv("DLM_CPU_VOCAB", path)
     x = np.concatenate([_logits(seed=s) for s in range(3)])  # [3, 6, 300]
     temps = [0.8, 0.45, 0.6]

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dlm.verify.protocol import adapter_for
 from dlm.verify.diffusion_gemma import adapter as R  # noqa: E402
 from dlm.verify.protocol import check_adapter  # noqa: E402
 
@@ -26,7 +27,8 @@ def ref(tiny_dg_dir):
 
 
 def test_debug_canvas_replaces_every_draw_in_order(ref):
-    """Canvas init is pattern 0, step k's renoise is pattern k (§4.7 order), the
+    """Canvas init is pattern 0, step k's renoise is pattern k (the draw order of
+    transformers' ``EntropyBoundSampler.initialize_canvas`` / ``renoise_canvas``), the
     sample is the argmax; the global torch seed no longer matters."""
     settings = R.stream_settings(ref.config, ref.generation_config, blocks=1, steps=3)
     L, V = R._canvas_length(ref.config), R._vocab(ref.config)
@@ -110,7 +112,7 @@ def test_adapter_is_found_through_the_registry():
     from dlm.runtime.registry import family_for_config
 
     family = family_for_config({"model_type": "diffusion_gemma"})
-    assert family.reference() is R
+    assert adapter_for(family) is R
     check_adapter(R)
 
 

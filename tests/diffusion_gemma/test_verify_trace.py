@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
-from dlm.runtime import trace_html  # noqa: E402
+from dlm.runtime.trace import html as trace_html  # noqa: E402
 from dlm.verify.cli import main  # noqa: E402
 from tests.builders import convert_dir, mutate, record_bundle  # noqa: E402
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dlm.runtime import api
-from dlm.runtime.errors import GenerationError
-from dlm.runtime.inputs import PromptInputs
+from dlm.runtime.platform.errors import GenerationError
+from dlm.runtime.generation.inputs import PromptInputs
 from dlm.runtime.models.diffusion_gemma.model import chunks, image_blocks
 from tests.builders import DG_GENERATION
 
@@ -93,7 +93,8 @@ def test_processor_matches_transformers(loaded, tiny_dg_vision_dir):
 
 
 def test_release_geometry_soft_tokens():
-    """The released processor (patch 16, pooling 3, 280 soft tokens): reference §5.1's counts."""
+    """The released processor (patch 16, pooling 3, 280 soft tokens): the soft-token counts of
+    transformers' ``Gemma4ImageProcessor`` (``image_processing_gemma4.py``)."""
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     from dlm.runtime.models.diffusion_gemma.images import ImageProcessor

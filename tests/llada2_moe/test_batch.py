@@ -10,7 +10,7 @@ import pytest
 
 from dlm.runtime import api  # before MLX: dlm.runtime loads the optimized BLAS ahead of it
 from dlm.runtime.batch import Batcher
-from dlm.runtime.models import switch
+from dlm.runtime.models.cpu import experts as cpu_experts
 from dlm.runtime.models.llada2_moe import batch as ll_batch
 from tests import ROOT
 
@@ -146,10 +146,10 @@ def test_one_kind_steps_merge_and_equal_solo(loaded, group_sizes, reveal_sizes):
 
 
 def test_numpy_vocabulary_rows_equal_solo(loaded, group_sizes, reveal_sizes, monkeypatch):
-    """The CPU backend's numpy sampler (cpu_vocab.py, taken at the released
+    """The CPU backend's numpy sampler (cpu/vocab.py, taken at the released
     geometry) forced at every size: merged blocks of one kind and mixed settings
     (top-k/top-p stay in MLX) still get their solo runs."""
-    from dlm.runtime.models import cpu_vocab
+    from dlm.runtime.models.cpu import vocab as cpu_vocab
 
     rows = []
     real = cpu_vocab.sample_rows
@@ -170,7 +170,7 @@ def test_vocabulary_path_is_chosen_per_block(loaded, reveal_sizes, monkeypatch):
     threshold between one block's logits and a merged reveal's (as at the
     released geometry, where a block of 8 stays in MLX and four of them would
     not), merged blocks stay on the path each takes alone."""
-    from dlm.runtime.models import cpu_vocab
+    from dlm.runtime.models.cpu import vocab as cpu_vocab
 
     vocab = loaded.args.vocab_size
     monkeypatch.setattr(cpu_vocab, "MIN_ENTRIES", 10 * vocab)  # a block of 8: MLX; four: would be numpy
@@ -235,20 +235,20 @@ def test_grouped_cpu_experts_per_sequence(tiny_llada2_mlx_dir, monkeypatch, mode
     run): at 2 rows per expert each block runs that way alone, at 3 it runs
     gather_mm alone although the batch's copies would pass. Every way the batch
     runs each block as it runs alone."""
-    monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
-    monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", rows_per_expert)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(cpu_experts, "GROUPED_MIN_ROWS_PER_EXPERT", rows_per_expert)
     monkeypatch.setenv("DLM_CPU_EXPERTS", mode)
     fresh = api.load(tiny_llada2_mlx_dir)
     glu = fresh.model.layers[1].mlp.switch_mlp
-    assert switch.stacks(glu.gate_proj) == (mode == "")
-    assert switch.grouped(32, 16, glu.gate_proj) == (rows_per_expert == 2)
+    assert cpu_experts.stacks(glu.gate_proj) == (mode == "")
+    assert cpu_experts.grouped(32, 16, glu.gate_proj) == (rows_per_expert == 2)
     options = [{"max_tokens": 16, "seed": i, "block_length": 8, "temp": 0.5} for i in range(3)]
     assert_step_logits_equal_solo(fresh, PROMPTS[:3], options)
 
 
 def test_images_are_refused(loaded):
-    from dlm.runtime.errors import GenerationError
-    from dlm.runtime.inputs import ImageInput, PromptInputs
+    from dlm.runtime.platform.errors import GenerationError
+    from dlm.runtime.generation.inputs import ImageInput, PromptInputs
 
     image = ImageInput(np.zeros((4, 48), np.float32), np.zeros((4, 2), np.int64), 1)
     with pytest.raises(GenerationError, match="prompt 0: image input is not supported: LLaDA-2 is text-only"):

@@ -7,7 +7,7 @@ import torch
 from click.testing import CliRunner
 
 from dlm.convert.pipeline import ConvertOptions, convert
-from dlm.runtime.cli import main
+from dlm.runtime.cli.main import main
 from dlm.verify.llada2_moe import torch_generate as RG
 from tests.builders import LLADA2_EOS_ID, LLADA2_MASK_ID, LLADA2_ROLE_END_ID, build_llada2
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
-from dlm.runtime.errors import ConfigError, WeightError
+from dlm.runtime.platform.errors import ConfigError, WeightError
 from dlm.runtime.models.llada2_moe import to_hf
 from dlm.verify.llada2_moe import torch_generate as RG
 from dlm.verify.llada2_moe import adapter as A

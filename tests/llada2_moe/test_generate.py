@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from dlm.runtime.models.llada2_moe import generate as G
-from dlm.runtime.errors import GenerationError
+from dlm.runtime.platform.errors import GenerationError
 from dlm.runtime.loader import load
+from dlm.runtime.models.llada2_moe import FAMILY
+from dlm.runtime.registry import settings as family_settings
 from dlm.verify.llada2_moe import torch_generate as RG
 from tests.builders import LLADA2_EOS_ID, LLADA2_GEOMETRIES, LLADA2_MASK_ID, LLADA2_ROLE_END_ID, build_llada2
 
@@ -299,16 +301,16 @@ class _Args:
 
 
 def test_settings_from_options_defaults_and_flags():
-    s = G.Settings.from_options({"temp": 0.5, "top_p": 0.9, "max_denoising_steps": 8, "block_length": 16,
+    s = family_settings(FAMILY, {"temp": 0.5, "top_p": 0.9, "max_denoising_steps": 8, "block_length": 16,
                                  "threshold": 0.8, "threshold_schedule": "linear:0.3",
                                  "editing_threshold": 0.7, "diffusion_full_canvas": False,
                                  "enable_thinking": None}, _Args, {"eos_token_id": [252, 7]})
     assert (s.temperature, s.top_p, s.steps, s.block_length, s.threshold) == (0.5, 0.9, 8, 16, 0.8)
     assert s.min_threshold == 0.3 and s.editing_threshold == 0.7 and s.eos_token_ids == (252, 7)
-    d = G.Settings.from_options({}, _Args, {})
+    d = family_settings(FAMILY, {}, _Args, {})
     assert (d.block_length, d.steps, d.threshold, d.temperature, d.editing_threshold) == (32, 32, 0.95, 0.0, "auto")
     assert d.min_threshold is None
-    assert G.Settings.from_options({"threshold_schedule": "linear"}, _Args, {}).min_threshold == 0.5
+    assert family_settings(FAMILY, {"threshold_schedule": "linear"}, _Args, {}).min_threshold == 0.5
 
 
 @pytest.mark.parametrize(
@@ -333,7 +335,7 @@ def test_settings_from_options_defaults_and_flags():
 )
 def test_settings_errors(options, message):
     with pytest.raises(GenerationError, match=message):
-        G.Settings.from_options(options, _Args, {})
+        family_settings(FAMILY, options, _Args, {})
 
 
 def test_transfer_quota():

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dlm.runtime.errors import ConfigError, WeightError
+from dlm.runtime.platform.errors import ConfigError, WeightError
 from dlm.runtime.models import llada2_moe as L
-from dlm.runtime.models import quantized, switch
+from dlm.runtime.models.cpu import experts as cpu_experts
+from dlm.runtime.models.cpu import dequant as quantized
 from dlm.runtime.models.llada2_moe.model import Gate
 from dlm.verify.llada2_moe import torch_model as R
 from tests.builders import LLADA2_GEOMETRIES, build_llada2, build_llada2_model, llada2_hub_config
@@ -83,8 +84,8 @@ def test_compiled_window_matches_eager_and_reference(tmp_path, monkeypatch, eage
     step: the finished block and the next, over a cached prefix), whole or around
     experts that run eagerly (CPU-grouped), against the eager layers and the reference."""
     if eager_experts:
-        monkeypatch.setattr(switch, "GROUPED_MIN_WEIGHT", 1)
-        monkeypatch.setattr(switch, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
+        monkeypatch.setattr(cpu_experts, "GROUPED_MIN_WEIGHT", 1)
+        monkeypatch.setattr(cpu_experts, "GROUPED_MIN_ROWS_PER_EXPERT", 1)
     ref = build_llada2(tmp_path, "base")
     model, _ = mlx_model_from_hub(tmp_path)
     ids, bl = _ids(48, 5), 16

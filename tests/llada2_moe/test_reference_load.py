@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dlm.runtime.errors import WeightError
+from dlm.runtime.platform.errors import WeightError
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.llada2_moe import torch_model as R
 from tests.builders import build_llada2

@@ -9,7 +9,7 @@ import pytest
 
 from dlm.convert.pipeline import ConvertOptions, convert
 from dlm.runtime import api
-from dlm.runtime.server import create_app
+from dlm.runtime.server.app import create_app
 from tests.builders import build_llada2
 
 DEFAULTS = {"max_tokens": 8, "block_length": 4, "max_denoising_steps": 4}

@@ -3,9 +3,10 @@
 
 Implements the protocol of ``dlm.verify.protocol``. The reference is the
 transformers 5.24 implementation itself, run on CPU; the deterministic
-generation is its own ``generate`` with the debug canvas of reference §4.9
-(every ``torch.randint`` draw of the sampler replaced by the n-th debug
-pattern, ``torch.multinomial`` by the argmax). torch and transformers are
+generation is its own ``generate`` with a debug canvas (every
+``torch.randint`` draw of the sampler replaced by the n-th pattern of
+lablup/mlxcel's ``debug_canvas_pattern``, ``torch.multinomial`` by the
+argmax). torch and transformers are
 imported lazily: the MLX half of this module runs on machines without them
 (bundle comparisons).
 """
@@ -17,9 +18,9 @@ import copy
 import math
 import numpy as np
 
-from dlm.runtime.errors import DlmError
+from dlm.runtime.platform.errors import DlmError
 
-from dlm.runtime.inputs import split_prompt
+from dlm.runtime.generation.inputs import split_prompt
 
 from ..protocol import CommitStream, LogitCase, TraceRecorder
 from .loading import (  # noqa: F401  (the protocol's load_reference / reference_layers)
@@ -53,7 +54,7 @@ _GEN_DEFAULTS = dict(
 
 
 def debug_pattern(n: int, length: int, vocab: int) -> np.ndarray:
-    """The n-th debug canvas (reference §4.9): x[i] = ((i+1)*7919 + n*104729) mod V."""
+    """The n-th debug canvas (lablup/mlxcel's ``debug_canvas_pattern``): x[i] = ((i+1)*7919 + n*104729) mod V."""
     i = np.arange(length, dtype=np.int64)
     return (((i + 1) * 7919 + n * 104729) % vocab).astype(np.int64)
 
@@ -328,7 +329,7 @@ def _no_cudagraph_marks(model):
 
 @contextlib.contextmanager
 def debug_canvas_rng(vocab: int, length: int):
-    """Replace the sampler's randomness by the debug canvas (reference §4.9).
+    """Replace the sampler's randomness by the debug canvas (mlxcel's ``debug_canvas_pattern``).
 
     Every ``torch.randint(0, V, (B, L))`` returns the n-th pattern (n counts
     draws: canvas init and per-step renoise, in call order);

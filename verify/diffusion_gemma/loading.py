@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from dlm.runtime.checkpoint import read_json
-from dlm.runtime.errors import ConfigError, DlmError, WeightError
+from dlm.runtime.platform.errors import ConfigError, DlmError, WeightError
 
 from ..protocol import torch_dtype
 from .images import VISION_PREFIXES

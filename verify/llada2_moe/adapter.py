@@ -1,6 +1,7 @@
 """LLaDA-2 (``llada2_moe``) verify adapter: dlm's independent PyTorch
-reference (``dlm.verify.llada2_moe.torch_model``, written from llada2_moe.md) and the
-matching MLX calls, following ``dlm.verify.protocol``.
+reference (``dlm.verify.llada2_moe.torch_model``, written from
+inclusionAI/LLaDA2.0-mini's ``modeling_llada2_moe.py``) and the matching MLX
+calls, following ``dlm.verify.protocol``.
 
 With ``trust_remote_code`` and a checkpoint that ships its modeling code
 (``auto_map`` + ``modeling_*.py``), that code's forward pass is the reference
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dlm.runtime.errors import ConfigError, DlmError, WeightError
+from dlm.runtime.platform.errors import ConfigError, DlmError, WeightError
 from dlm.runtime.checkpoint import read_json
 
 from ..protocol import CommitStream, LogitCase, TraceRecorder, torch_dtype

@@ -2,11 +2,12 @@
 with ``--trust-remote-code``).
 
 The LLaDA2.0 hub files were written for transformers 4.x and do not import or
-load correctly under 5.x; the fixes below (llada2_moe.md §7) restore the 4.x
-behaviour without touching the numerics:
+load correctly under 5.x (checked with transformers 5.24); the fixes below
+restore the 4.x behaviour without touching the numerics:
 
 * P1 ``transformers.modeling_attn_mask_utils`` is gone: provide the two mask
-  helpers with their 4.x semantics (§3.4);
+  helpers with their 4.x semantics (``_prepare_4d_causal_attention_mask`` and
+  ``_for_sdpa``: None/2-D/4-D paths, a 2-D mask with a 0 turns causal);
 * P2 ``is_torch_fx_available`` is gone: False (it only gates an FX wrap);
 * P3 ``ROPE_INIT_FUNCTIONS["default"]`` is gone: default RoPE with the
   partial rotary factor;
@@ -28,7 +29,7 @@ import sys
 import types
 from pathlib import Path
 
-from dlm.runtime.errors import DlmError
+from dlm.runtime.platform.errors import DlmError
 
 
 def _mask_utils():
@@ -63,7 +64,7 @@ def _mask_utils():
     module = types.ModuleType("transformers.modeling_attn_mask_utils")
     module._prepare_4d_causal_attention_mask = prepare_eager
     module._prepare_4d_causal_attention_mask_for_sdpa = prepare_sdpa
-    module.__doc__ = "dlm compatibility shim (4.x semantics, llada2_moe.md §3.4)"
+    module.__doc__ = "dlm compatibility shim (transformers 4.x modeling_attn_mask_utils semantics)"
     return module
 
 

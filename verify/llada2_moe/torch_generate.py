@@ -1,15 +1,18 @@
-"""The hub 2.0 ``generate()`` (§4) and LLaDA2.1 draft-and-edit decoding (§6.3), in PyTorch.
+"""The hub 2.0 ``generate()`` and LLaDA2.1 draft-and-edit decoding, in PyTorch.
 
-Written from ../shared/reference/llada2_moe.md for the reference model in
-``torch_model``; it reproduces the hub algorithm exactly (including its
-temperature-0 sampling bug when ``hub_sampler=True``), with the hooks the parity
-suite needs: a shared uniform stream (inverse-CDF sampling, so MLX and torch
-draw the same samples), a commit trace, the fixed greedy sampler, a linear
-threshold schedule and editing. Written apart from dlm.runtime's loop on purpose.
+Written from ``LLaDA2MoeModelLM.generate`` in the hub ``modeling_llada2_moe.py``
+of inclusionAI/LLaDA2.0-mini (2.0) and of inclusionAI/LLaDA2.1-mini
+(draft-and-edit), for the reference model in ``torch_model``; it reproduces
+the hub algorithm exactly (including its temperature-0 sampling bug when
+``hub_sampler=True``), with the hooks the parity suite needs: a shared uniform
+stream (inverse-CDF sampling, so MLX and torch draw the same samples), a commit
+trace, the fixed greedy sampler, a linear threshold schedule and editing.
+Written apart from dlm.runtime's loop on purpose.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -113,17 +116,18 @@ def generate(
     on_step: Optional[Callable] = None,
     early_stop: bool = False,
 ) -> torch.Tensor:
-    """The hub 2.0 ``generate`` (§4.2), full recompute every step.
+    """The hub 2.0 ``generate`` (LLaDA2.0-mini ``modeling_llada2_moe.py``), full recompute every step.
 
     Extensions (all off by default, i.e. hub-exact): ``min_threshold`` decays
     the threshold linearly over the steps; ``suppress_mask`` never predicts
     mask_id; ``editing_threshold`` switches to LLaDA2.1 draft-and-edit per
-    block (§6.3, with the block-causal log-mask); ``eos_id`` may be a set of
-    ids. ``trace`` receives one ``(block, step, positions, tokens)`` tuple per
-    step (absolute positions, sorted); ``on_step(block, step, logits)`` sees
-    every step's raw float32 logits of the block [bl, V]. ``early_stop``
-    ends a block's step loop once its output is final (no mask before the
-    first eos or before P + gen_length): same output, fewer steps (dlm's rule).
+    block (the LLaDA2.1 hub ``generate``, with the block-causal log-mask);
+    ``eos_id`` may be a set of ids. ``trace`` receives one ``(block, step,
+    positions, tokens)`` tuple per step (absolute positions, sorted);
+    ``on_step(block, step, logits)`` sees every step's raw float32 logits of
+    the block [bl, V]. ``early_stop`` ends a block's step loop once its output
+    is final (no mask before the first eos or before P + gen_length): same
+    output, fewer steps (dlm's rule).
     """
     eos_ids = {int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id}
     x_in = input_ids.reshape(1, -1)
@@ -131,11 +135,8 @@ def generate(
     P = x_in.shape[1]
     nb = -(-(P + gen_length) // block_length)
     T = nb * block_length
-    mask = block_causal_mask(T, block_length, model.dtype)
-    pos = torch.arange(T)
     x = torch.full((1, T), mask_id, dtype=torch.long)
     x[0, :P] = x_in[0]
-    quota = transfer_quota(block_length, steps)
 
     def sample(logits):
         if suppress_mask:
@@ -145,53 +146,103 @@ def generate(
             logits, temperature, top_k, top_p, hub_sampler=hub_sampler, uniforms=uniforms
         )
 
-    def has_eos(t):
-        return any(int(v) in eos_ids for v in t.tolist())
-
+    run = _Run(model=model, x=x, mask=block_causal_mask(T, block_length, model.dtype), pos=torch.arange(T),
+               P=P, gen_length=gen_length, steps=steps, quota=transfer_quota(block_length, steps),
+               threshold=threshold, min_threshold=min_threshold, mask_id=mask_id, eos_ids=eos_ids,
+               sample=sample, trace=trace, on_step=on_step)
     for b in range(P // block_length, nb):
         start, end = b * block_length, (b + 1) * block_length
-        window = x[:, :end]
         if editing_threshold is None:
-            for s in range(steps):
-                active = window[0, start:end] == mask_id
-                if not bool(active.any()):
-                    break
-                logits = model(window, mask[:, :, :end, :end], pos[:end])[0, start:end]
-                if on_step is not None:
-                    on_step(b, s, logits)
-                tok, p = sample(logits)
-                conf = torch.where(active, p, torch.tensor(float("-inf")))
-                thr = linear_threshold(threshold, min_threshold, s, steps)
-                high = conf > thr
-                if int(high.sum()) >= quota[s]:
-                    commit = high
-                else:
-                    n = min(quota[s], int(active.sum()))
-                    commit = torch.zeros_like(high)
-                    commit[_most_confident(conf, n)] = True
-                window[0, start:end] = torch.where(commit, tok, window[0, start:end])
-                if trace is not None:
-                    where = commit.nonzero()[:, 0]
-                    trace.append((b, s, (where + start).tolist(), tok[where].tolist()))
-                if early_stop and _block_final(window[0, start:end], max(P - start, 0),
-                                               P + gen_length - start, eos_ids, mask_id):
-                    break
-                if eos_early_stop and has_eos(tok[commit]):
-                    e = next(i for i, v in enumerate(x[0].tolist()) if v in eos_ids)
-                    if not bool((x[0, P:e] == mask_id).any()):
-                        return x[0, : e + 1]  # hub quirk: includes the prompt
+            early = _denoise_block(run, b, start, end, early_stop, eos_early_stop)
+            if early is not None:
+                return early
         else:
-            _edit_block(model, window, mask[:, :, :end, :end], pos[:end], b, start, end, P,
-                        steps, quota, threshold, min_threshold, editing_threshold,
+            _edit_block(model, x[:, :end], run.mask[:, :, :end, :end], run.pos[:end], b, start, end, P,
+                        steps, run.quota, threshold, min_threshold, editing_threshold,
                         max_post_steps, mask_id, sample, trace, on_step)
-            if eos_early_stop and has_eos(x[0, P:end]) and not bool((x[0, P:end] == mask_id).any()):
+            if eos_early_stop and run.has_eos(x[0, P:end]) and not bool((x[0, P:end] == mask_id).any()):
                 break
-        if has_eos(x[0, P:end]):
+        if run.has_eos(x[0, P:end]):
             break
 
     g = x[0, P : P + gen_length].tolist()
     n = next((i for i, v in enumerate(g) if v in eos_ids), len(g) - 1)
     return torch.tensor(g[: n + 1], dtype=torch.long)
+
+
+@dataclass
+class _Run:
+    """What every block and step of one ``generate`` call shares: the model,
+    the sequence ``x`` [1, T] (prompt, then mask_id) that the blocks fill in
+    place, the block-causal mask and positions over all T, and the settings."""
+
+    model: LLaDA2Reference
+    x: torch.Tensor
+    mask: torch.Tensor
+    pos: torch.Tensor
+    P: int
+    gen_length: int
+    steps: int
+    quota: list
+    threshold: float
+    min_threshold: Optional[float]
+    mask_id: int
+    eos_ids: set
+    sample: Callable
+    trace: Optional[list]
+    on_step: Optional[Callable]
+
+    def has_eos(self, t) -> bool:
+        return any(int(v) in self.eos_ids for v in t.tolist())
+
+
+def _denoise_block(run: _Run, b: int, start: int, end: int, early_stop: bool,
+                   eos_early_stop: bool) -> Optional[torch.Tensor]:
+    """The hub 2.0 step loop of block ``b`` (positions [start, end)), until the
+    block has no mask left or its ``steps`` are spent. Returns the hub's
+    early-stop output (prompt included) when ``eos_early_stop`` ends the
+    generation in this block, else None."""
+    x, P, mask_id = run.x, run.P, run.mask_id
+    window = x[:, :end]
+    for s in range(run.steps):
+        active = window[0, start:end] == mask_id
+        if not bool(active.any()):
+            break
+        tok, commit = _denoise_step(run, window, b, s, start, end, active)
+        if early_stop and _block_final(window[0, start:end], max(P - start, 0),
+                                       P + run.gen_length - start, run.eos_ids, mask_id):
+            break
+        if eos_early_stop and run.has_eos(tok[commit]):
+            e = next(i for i, v in enumerate(x[0].tolist()) if v in run.eos_ids)
+            if not bool((x[0, P:e] == mask_id).any()):
+                return x[0, : e + 1]  # hub quirk: includes the prompt
+    return None
+
+
+def _denoise_step(run: _Run, window: torch.Tensor, b: int, s: int, start: int, end: int,
+                  active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``s`` of block ``b``: one full-recompute forward over ``window``,
+    then commit every masked slot above the threshold if there are at least
+    the step's quota of them, else the quota's most confident masked slots.
+    Writes the commits into ``window``; returns (sampled tokens, commit mask)."""
+    logits = run.model(window, run.mask[:, :, :end, :end], run.pos[:end])[0, start:end]
+    if run.on_step is not None:
+        run.on_step(b, s, logits)
+    tok, p = run.sample(logits)
+    conf = torch.where(active, p, torch.tensor(float("-inf")))
+    thr = linear_threshold(run.threshold, run.min_threshold, s, run.steps)
+    high = conf > thr
+    if int(high.sum()) >= run.quota[s]:
+        commit = high
+    else:
+        n = min(run.quota[s], int(active.sum()))
+        commit = torch.zeros_like(high)
+        commit[_most_confident(conf, n)] = True
+    window[0, start:end] = torch.where(commit, tok, window[0, start:end])
+    if run.trace is not None:
+        where = commit.nonzero()[:, 0]
+        run.trace.append((b, s, (where + start).tolist(), tok[where].tolist()))
+    return tok, commit
 
 
 def _most_confident(conf: torch.Tensor, n: int) -> torch.Tensor:
@@ -211,7 +262,8 @@ def _block_final(block, gen_from, need, eos_ids, mask_id) -> bool:
 
 def _edit_block(model, window, mask, pos, b, start, end, P, steps, quota, threshold,
                 min_threshold, editing_threshold, max_post_steps, mask_id, sample, trace, on_step):
-    """LLaDA2.1 draft-and-edit for one block (§6.3).  The fallback commit is the
+    """LLaDA2.1 draft-and-edit for one block (LLaDA2.1-mini hub ``generate``; the
+    LLaDA2.1 tech report, arXiv 2602.08676, eqs. 1-3).  The fallback commit is the
     quota of the step (1 per step with steps == block_length, as the hub's
     num_to_transfer=1); editable = non-prompt, non-mask positions of the block."""
     post, s = 0, 0

@@ -1,12 +1,12 @@
 """Independent PyTorch reference model for LLaDA2.0 MoE (``llada2_moe``).
 
-Written from ../shared/reference/llada2_moe.md (§3 forward pass); the hub
-modeling code is not used. Its ``generate()`` is in ``torch_generate``.
-Module and parameter names equal the hub checkpoint names, so a hub
-``state_dict`` loads with ``strict=True``.
+Written from the forward pass of inclusionAI/LLaDA2.0-mini's hub
+``modeling_llada2_moe.py`` (``LLaDA2MoeModel``), which is not imported here.
+Its ``generate()`` is in ``torch_generate``. Module and parameter names equal
+the hub checkpoint names, so a hub ``state_dict`` loads with ``strict=True``.
 
-Dtype flow follows §3.8: RMSNorm statistics in float32 with the weight
-multiply in the model dtype, router in float32, expert combine accumulated in
+Dtype flow follows that hub code in bf16: RMSNorm statistics in float32 with
+the weight multiply in the model dtype, router in float32, expert combine accumulated in
 float32 with one cast, logits cast to float32.
 
 Its config and forward pass deliberately repeat what
@@ -86,7 +86,7 @@ class RefConfig:
 
 
 # ---------------------------------------------------------------------------
-# Forward pass (§3)
+# Forward pass (hub ``modeling_llada2_moe.py``: LLaDA2MoeModel)
 # ---------------------------------------------------------------------------
 
 
@@ -159,7 +159,7 @@ class SwiGLU(nn.Module):
 
 
 class Gate(nn.Module):
-    """Sigmoid router with expert_bias and group-limited top-k (§3.6)."""
+    """Sigmoid router with expert_bias and group-limited top-k (hub ``LLaDA2MoeSparseMoeBlock``)."""
 
     def __init__(self, cfg: RefConfig):
         super().__init__()
@@ -268,7 +268,8 @@ class LLaDA2Reference(nn.Module):
 
     @staticmethod
     def _mask(attention_mask, L, dt):
-        """SDPA-path semantics of §3.4."""
+        """The hub model's SDPA-path mask semantics (transformers 4.x
+        ``_prepare_4d_causal_attention_mask_for_sdpa``)."""
         if attention_mask is None:
             return None
         if attention_mask.dim() == 4:

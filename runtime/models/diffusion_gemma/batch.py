@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ...generate import Block
+from ...generation.progress import Block
 from . import sampling as S
 from .canvas import CanvasResult, build_steps
 

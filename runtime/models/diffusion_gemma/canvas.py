@@ -1,4 +1,5 @@
-"""Denoise one DiffusionGemma canvas (reference §4.2-4.5), with the model call injected.
+"""Denoise one DiffusionGemma canvas (transformers' ``DiffusionGemmaGenerationMixin._denoising_step``
+loop), with the model call injected.
 
 ``denoise_canvas(decode, draws, length, config)`` runs up to N steps of:
 
@@ -27,20 +28,21 @@ import numpy as np
 
 from . import sampling as S
 from . import scores as V
+from .options import DEFAULTS as D
 from .trace import summarise_step
 
 
 @dataclass
 class DenoiseConfig:
-    steps: int = 48
-    sampler: str = S.ENTROPY_BOUND
+    steps: int = D["max_denoising_steps"]
+    sampler: str = D["diffusion_sampler"]
     entropy_bound: float = 0.1
-    threshold: float = 0.9  # confidence-threshold sampler
+    threshold: float = D["diffusion_threshold"]  # confidence-threshold sampler
     t_min: Optional[float] = 0.4  # None (either): no temperature schedule
     t_max: Optional[float] = 0.8
     stability_threshold: Optional[int] = 1  # None (either): no adaptive stop
     confidence_threshold: Optional[float] = 0.005
-    temperature: float = 1.0  # denoiser sampling temperature on top of the schedule; 0 = argmax
+    temperature: float = D["temp"]  # denoiser sampling temperature on top of the schedule; 0 = argmax
     sc_dtype: mx.Dtype = mx.float32  # self-conditioning logits are cast to the embedding dtype (then softmax_f32)
 
 
@@ -83,8 +85,8 @@ class RandomDraws:
 
 
 class DebugDraws:
-    """Debug-canvas mode (reference §4.9): the n-th uniform draw of a generate
-    call is the fixed pattern n, and sampling is argmax. Draws are counted in
+    """Debug-canvas mode (patterns as lablup/mlxcel's ``debug_canvas_pattern``):
+    the n-th uniform draw of a generate call is the fixed pattern n, and sampling is argmax. Draws are counted in
     transformers' order: canvas init, then one renoise draw every step
     (including the last and the one that stops early)."""
 
@@ -208,7 +210,7 @@ def build_steps(logits, members, config: DenoiseConfig, canvas, revealed, cur_st
         stop = done if stop is None else stop | done
     if config.sc_dtype == mx.float32:
         sc = scores.probs
-    else:  # the softmax of the logits as the decoder's dtype holds them (reference §3.8)
+    else:  # the softmax of the logits as the decoder's dtype holds them (transformers' self-conditioning)
         sc = mx.softmax(proc.astype(config.sc_dtype).astype(mx.float32), axis=-1)
     if len(members) == 1:
         step = _Step(logits, argmax, canvas, revealed, sc, _all(stop), keep)
@@ -274,7 +276,7 @@ def denoise_canvas(
     to go on, so an early stop wastes no compute and no random draws. (The
     overlap is for Metal/CUDA, whose tasks are command buffers of many ops. On
     MLX's CPU backend async_eval returns only when all but the last ~10 ops of
-    the step have run, scripts/probe_async_eval.py, so there the build follows
+    the step have run, scripts/bench/probe_async_eval.py, so there the build follows
     the evaluation; kept, as it costs only a discarded build when a canvas stops
     early.) ``speculate=False`` (a step whose build reads on the host and so
     computes: Model.speculates) reads the stop flag first and then builds.

@@ -1,14 +1,14 @@
 """DiffusionGemma config: ``ModelArgs`` from both on-disk forms
 (``diffusion_gemma`` with a nested ``text_config``, ``diffusion_gemma_text``
 flat), and the config.json dlm-convert writes.
-Reference: ../shared/reference/diffusion_gemma.md (transformers 5.24).
+Fields as in transformers 5.24's ``configuration_diffusion_gemma.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...errors import ConfigError
+from ...platform.errors import ConfigError
 from ..base import BaseModelArgs, ConfigReader
 
 SLIDING = "sliding_attention"
@@ -59,105 +59,145 @@ class ModelArgs(BaseModelArgs):
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
-        model_type = config.get("model_type")
-        if model_type == "diffusion_gemma":
-            text = config.get("text_config")
-            if not isinstance(text, dict):
-                raise ConfigError(f"{where}: diffusion_gemma config has no 'text_config' object")
-            top = config
-        elif model_type == "diffusion_gemma_text":
-            text, top = config, config
-        else:
-            raise ConfigError(f"{where}: model_type {model_type!r} is not a DiffusionGemma config")
-
+        model_type, text, top = _config_parts(config, where)
         r = ConfigReader(text, where, "text config")
         t = ConfigReader(top, where)
-        n_layers = r.int("num_hidden_layers", minimum=1)
-        kv_heads = r.int("num_key_value_heads", minimum=1)
-        head_dim = r.int("head_dim", 256, minimum=1)
-        layer_types = list(text.get("layer_types") or [])
-        if not layer_types:
-            layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
-            layer_types[-1] = FULL
-        if len(layer_types) != n_layers:
-            raise ConfigError(
-                f"{where}: layer_types has {len(layer_types)} entries for {n_layers} layers"
-            )
-        bad = sorted(set(map(str, layer_types)) - {SLIDING, FULL})
-        if bad:
-            raise ConfigError(f"{where}: unknown layer_types {bad}")
-
-        # Full-attention geometry: re-saved form wins (transformers pops the
-        # flat keys when per_layer_config exists); a missing global_head_dim
-        # means 512 in transformers.
-        per_layer = r.dict("per_layer_config", {})
-        global_dim = r.int("global_head_dim", 512, minimum=1)
-        global_kv = r.int("num_global_key_value_heads", kv_heads, minimum=1)
-        overrides: dict[int, ConfigReader] = {}
-        for key, value in per_layer.items():
-            try:
-                index = int(key)
-            except ValueError:
-                raise ConfigError(f"{where}: per_layer_config key {key!r} is not a layer index") from None
-            if not isinstance(value or {}, dict):
-                raise ConfigError(f"{where}: per_layer_config[{key!r}] must be an object")
-            overrides[index] = ConfigReader(dict(value or {}), where, f"per_layer_config[{key!r}]")
-        dims, kvs = [], []
-        for i, kind in enumerate(layer_types):
-            if i in overrides:
-                dims.append(overrides[i].int("head_dim", head_dim, minimum=1))
-                kvs.append(overrides[i].int("num_key_value_heads", kv_heads, minimum=1))
-            elif kind == FULL and not per_layer:
-                dims.append(global_dim)
-                kvs.append(global_kv)
-            else:
-                dims.append(head_dim)
-                kvs.append(kv_heads)
-
-        rope = dict(DEFAULT_ROPE)
-        rope.update(r.dict("rope_parameters", {}))
-        vocab = r.int("vocab_size", minimum=1)
-        eos_key = "eos_token_id" if top.get("eos_token_id") is not None else None
-        eos_ids = (t.token_ids("eos_token_id", vocab=vocab) if eos_key
-                   else r.token_ids("eos_token_id", [1], vocab=vocab))
+        # Keys are read in this order, so a config with several bad keys
+        # reports the same one first.
         args = cls(
-            vocab_size=vocab,
-            hidden_size=r.int("hidden_size", minimum=1),
-            intermediate_size=r.int("intermediate_size", minimum=1),
-            num_hidden_layers=n_layers,
-            num_attention_heads=r.int("num_attention_heads", minimum=1),
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            layer_head_dims=dims,
-            layer_kv_heads=kvs,
-            layer_types=layer_types,
-            rope_parameters=rope,
-            rms_norm_eps=r.float("rms_norm_eps", 1e-6, positive=True),
-            sliding_window=r.int("sliding_window", 1024, minimum=2),
-            final_logit_softcapping=r.float("final_logit_softcapping", 0.0) or 30.0,
-            num_experts=r.int("num_experts", minimum=1),
-            top_k_experts=r.int("top_k_experts", minimum=1),
-            moe_intermediate_size=r.int("moe_intermediate_size", minimum=1),
-            hidden_activation=r.str("hidden_activation", "gelu_pytorch_tanh"),
-            max_position_embeddings=r.int("max_position_embeddings", 262144, minimum=2),
-            canvas_length=t.int("canvas_length", 256, minimum=1),
-            pad_token_id=r.int("pad_token_id", 0, minimum=0),
-            bos_token_id=r.int("bos_token_id", 0, minimum=0) or 2,
-            eos_token_ids=eos_ids,
-            image_token_id=t.int("image_token_id", None, minimum=0),
-            boi_token_id=t.int("boi_token_id", None, minimum=0),
-            eoi_token_id=t.int("eoi_token_id", None, minimum=0),
-            use_bidirectional_attention=r.str("use_bidirectional_attention", None),
-            vision_config=t.dict("vision_config", None) if model_type == "diffusion_gemma" else None,
+            **_layer_fields(r, text, where),
+            **_text_fields(r, t, top),
+            **_vision_fields(r, t, model_type),
             model_type=model_type,
         )
-        if args.top_k_experts > args.num_experts:
-            raise ConfigError(f"{where}: top_k_experts={args.top_k_experts} exceeds num_experts={args.num_experts}")
-        if args.use_bidirectional_attention == "all":
-            raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported")
-        if args.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ConfigError(f"{where}: unsupported hidden_activation {args.hidden_activation!r}")
+        _check_args(args, where)
         return args
+
+
+def _config_parts(config: dict, where: str) -> tuple[str, dict, dict]:
+    """(model_type, text config, top-level config): the hub form nests the
+    text config; the ``diffusion_gemma_text`` form is flat."""
+    model_type = config.get("model_type")
+    if model_type == "diffusion_gemma":
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(f"{where}: diffusion_gemma config has no 'text_config' object")
+        return model_type, text, config
+    if model_type == "diffusion_gemma_text":
+        return model_type, config, config
+    raise ConfigError(f"{where}: model_type {model_type!r} is not a DiffusionGemma config")
+
+
+def _layer_types(text: dict, n_layers: int, where: str) -> list[str]:
+    """Sliding or full attention per layer; when absent, every sixth layer
+    and the last are full."""
+    layer_types = list(text.get("layer_types") or [])
+    if not layer_types:
+        layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
+        layer_types[-1] = FULL
+    if len(layer_types) != n_layers:
+        raise ConfigError(
+            f"{where}: layer_types has {len(layer_types)} entries for {n_layers} layers"
+        )
+    bad = sorted(set(map(str, layer_types)) - {SLIDING, FULL})
+    if bad:
+        raise ConfigError(f"{where}: unknown layer_types {bad}")
+    return layer_types
+
+
+def _per_layer_overrides(per_layer: dict, where: str) -> dict[int, ConfigReader]:
+    """A reader for each layer that ``per_layer_config`` (the re-saved form) overrides."""
+    overrides: dict[int, ConfigReader] = {}
+    for key, value in per_layer.items():
+        try:
+            index = int(key)
+        except ValueError:
+            raise ConfigError(f"{where}: per_layer_config key {key!r} is not a layer index") from None
+        if not isinstance(value or {}, dict):
+            raise ConfigError(f"{where}: per_layer_config[{key!r}] must be an object")
+        overrides[index] = ConfigReader(dict(value or {}), where, f"per_layer_config[{key!r}]")
+    return overrides
+
+
+def _layer_fields(r: ConfigReader, text: dict, where: str) -> dict:
+    """The layer count, the attention heads and each layer's (head_dim, kv heads)."""
+    n_layers = r.int("num_hidden_layers", minimum=1)
+    kv_heads = r.int("num_key_value_heads", minimum=1)
+    head_dim = r.int("head_dim", 256, minimum=1)
+    layer_types = _layer_types(text, n_layers, where)
+
+    # Full-attention geometry: re-saved form wins (transformers pops the
+    # flat keys when per_layer_config exists); a missing global_head_dim
+    # means 512 in transformers.
+    per_layer = r.dict("per_layer_config", {})
+    global_dim = r.int("global_head_dim", 512, minimum=1)
+    global_kv = r.int("num_global_key_value_heads", kv_heads, minimum=1)
+    overrides = _per_layer_overrides(per_layer, where)
+    dims, kvs = [], []
+    for i, kind in enumerate(layer_types):
+        if i in overrides:
+            dims.append(overrides[i].int("head_dim", head_dim, minimum=1))
+            kvs.append(overrides[i].int("num_key_value_heads", kv_heads, minimum=1))
+        elif kind == FULL and not per_layer:
+            dims.append(global_dim)
+            kvs.append(global_kv)
+        else:
+            dims.append(head_dim)
+            kvs.append(kv_heads)
+    return dict(num_hidden_layers=n_layers, num_key_value_heads=kv_heads, head_dim=head_dim,
+                layer_head_dims=dims, layer_kv_heads=kvs, layer_types=layer_types)
+
+
+def _text_fields(r: ConfigReader, t: ConfigReader, top: dict) -> dict:
+    """The text model's sizes, norms, experts, rope and special tokens."""
+    rope = dict(DEFAULT_ROPE)
+    rope.update(r.dict("rope_parameters", {}))
+    vocab = r.int("vocab_size", minimum=1)
+    # A top-level eos_token_id (the hub form's) wins over the text config's.
+    eos_key = "eos_token_id" if top.get("eos_token_id") is not None else None
+    eos_ids = (t.token_ids("eos_token_id", vocab=vocab) if eos_key
+               else r.token_ids("eos_token_id", [1], vocab=vocab))
+    return dict(
+        vocab_size=vocab,
+        hidden_size=r.int("hidden_size", minimum=1),
+        intermediate_size=r.int("intermediate_size", minimum=1),
+        num_attention_heads=r.int("num_attention_heads", minimum=1),
+        rope_parameters=rope,
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6, positive=True),
+        sliding_window=r.int("sliding_window", 1024, minimum=2),
+        final_logit_softcapping=r.float("final_logit_softcapping", 0.0) or 30.0,
+        num_experts=r.int("num_experts", minimum=1),
+        top_k_experts=r.int("top_k_experts", minimum=1),
+        moe_intermediate_size=r.int("moe_intermediate_size", minimum=1),
+        hidden_activation=r.str("hidden_activation", "gelu_pytorch_tanh"),
+        max_position_embeddings=r.int("max_position_embeddings", 262144, minimum=2),
+        canvas_length=t.int("canvas_length", 256, minimum=1),
+        pad_token_id=r.int("pad_token_id", 0, minimum=0),
+        bos_token_id=r.int("bos_token_id", 0, minimum=0) or 2,
+        eos_token_ids=eos_ids,
+    )
+
+
+def _vision_fields(r: ConfigReader, t: ConfigReader, model_type: str) -> dict:
+    """The image tokens, how they attend, and the vision tower's config (only
+    the nested form has one; None: a text-only model)."""
+    return dict(
+        image_token_id=t.int("image_token_id", None, minimum=0),
+        boi_token_id=t.int("boi_token_id", None, minimum=0),
+        eoi_token_id=t.int("eoi_token_id", None, minimum=0),
+        use_bidirectional_attention=r.str("use_bidirectional_attention", None),
+        vision_config=t.dict("vision_config", None) if model_type == "diffusion_gemma" else None,
+    )
+
+
+def _check_args(args: ModelArgs, where: str) -> None:
+    """Refuse what the fields allow one by one but the model cannot run."""
+    if args.top_k_experts > args.num_experts:
+        raise ConfigError(f"{where}: top_k_experts={args.top_k_experts} exceeds num_experts={args.num_experts}")
+    if args.use_bidirectional_attention == "all":
+        raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported")
+    if args.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{where}: unsupported hidden_activation {args.hidden_activation!r}")
 
 
 

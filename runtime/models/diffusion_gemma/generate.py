@@ -1,8 +1,9 @@
 """DiffusionGemma generation: block-autoregressive canvases, each denoised.
 
-Per canvas (reference §4.1): re-encode the previously committed canvas into the
-prefix cache at its own positions (the prompt at prefill), draw a canvas, run
-up to ``max_denoising_steps`` steps (canvas.py), commit the last step's argmax.
+Per canvas (as transformers' ``DiffusionGemmaGenerationMixin.generate``):
+re-encode the previously committed canvas into the prefix cache at its own
+positions (the prompt at prefill), draw a canvas, run up to
+``max_denoising_steps`` steps (canvas.py), commit the last step's argmax.
 Differences from transformers' generate, on purpose:
 
 * the output never exceeds ``max_tokens`` (the last canvas is trimmed) and stops
@@ -19,7 +20,6 @@ from generation_config) still sets entropies, the stop rule and self-conditionin
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -28,43 +28,43 @@ from typing import Callable, Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
-from ...errors import GenerationError
-from ...events import GenerationEvent
-from ...generate import Block, PrefixState, check_prompt, common_prefix, run
-from ...memory import check_budget, scores_materialized
-from ...options import resolve
+from ...platform import settings as env
+from ...platform.errors import GenerationError
+from ...generation.events import GenerationEvent
+from ...generation.progress import Block, PrefixState, check_prompt, common_prefix, run
+from ...platform.memory import check_budget, scores_materialized
 from ..base import ConfigReader
 from . import sampling as S
 from .canvas import DebugDraws, DenoiseConfig, RandomDraws, StepHook, denoise_canvas
 from .config import SLIDING
 from .model import image_blocks
-from .options import OPTIONS
+from .options import DEFAULTS as D
 from .structured import denoise_structured
 from .trace import CanvasTracer
 
 
 def _env_debug_canvas() -> bool:
-    return os.environ.get("DLM_DEBUG_CANVAS", "").strip().lower() in ("1", "true", "yes", "on")
+    return env.DEBUG_CANVAS.get()
 
 
 @dataclass
 class Settings:
-    max_tokens: int = 256
+    max_tokens: int = D["max_tokens"]
     denoise: DenoiseConfig = field(default_factory=DenoiseConfig)
-    min_canvas: int = 64
+    min_canvas: int = D["diffusion_min_canvas_length"]
     max_canvas: int = 256
     full_canvas: bool = False
     seed: Optional[int] = None
     debug_canvas: bool = False
     eos_token_ids: list[int] = field(default_factory=lambda: [1])
-    prefill_step_size: int = 2048
-    memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.memory)
-    skip_special_tokens: bool = True
+    prefill_step_size: int = D["prefill_step_size"]
+    memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.platform.memory)
+    skip_special_tokens: bool = D["skip_special_tokens"]
 
     @classmethod
     def from_options(cls, options: dict, args, generation_config: dict) -> "Settings":
-        """Settings from options (checked against options.py) over generation_config over defaults."""
-        options = resolve(OPTIONS, options, "DiffusionGemma")
+        """Settings from options (already checked: dlm.runtime.registry.settings) over
+        generation_config over defaults."""
         # Every generation_config value typed and range-checked (a bad one names the key).
         g = ConfigReader(generation_config or {}, "generation_config.json", "generation config")
         sampler_config = g.dict("sampler_config", {})
@@ -84,33 +84,33 @@ class Settings:
 
         # Unset (missing or null) generation_config fields take transformers' global defaults.
         denoise = DenoiseConfig(
-            steps=options.get("max_denoising_steps", g.int("max_denoising_steps", 0, minimum=0) or 48),
-            sampler=options.get("diffusion_sampler", S.ENTROPY_BOUND),
+            steps=options.get("max_denoising_steps", g.int("max_denoising_steps", 0, minimum=0) or D["max_denoising_steps"]),
+            sampler=options.get("diffusion_sampler", D["diffusion_sampler"]),
             entropy_bound=sampler.float("entropy_bound", 0.1, minimum=0.0),
-            threshold=options.get("diffusion_threshold", 0.9),
+            threshold=options.get("diffusion_threshold", D["diffusion_threshold"]),
             t_min=g.float("t_min", 0.4, positive=True),
             t_max=g.float("t_max", 0.8, positive=True),
             stability_threshold=g.int("stability_threshold", 1, minimum=0),
             confidence_threshold=g.float("confidence_threshold", 0.005, minimum=0.0),
-            temperature=options.get("temp", 1.0),
+            temperature=options.get("temp", D["temp"]),
         )
         return cls(
-            max_tokens=options.get("max_tokens", g.int("max_new_tokens", 0, minimum=0) or 256),
+            max_tokens=options.get("max_tokens", g.int("max_new_tokens", 0, minimum=0) or D["max_tokens"]),
             denoise=denoise,
-            min_canvas=options.get("diffusion_min_canvas_length", 64),
+            min_canvas=options.get("diffusion_min_canvas_length", D["diffusion_min_canvas_length"]),
             max_canvas=max_canvas,
             full_canvas=options.get("diffusion_full_canvas", False),
             seed=options.get("seed"),
             debug_canvas=debug,
             eos_token_ids=eos,
-            prefill_step_size=options.get("prefill_step_size", 2048),
+            prefill_step_size=options.get("prefill_step_size", D["prefill_step_size"]),
             memory_budget=options.get("memory_budget"),
-            skip_special_tokens=options.get("skip_special_tokens", True),
+            skip_special_tokens=options.get("skip_special_tokens", D["skip_special_tokens"]),
         )
 
 
 class CanvasSession:
-    """DiffusionGemma's step for the shared loop (dlm.runtime.generate): the
+    """DiffusionGemma's step for the shared loop (dlm.runtime.generation.progress): the
     prompt prefill, then per canvas: encode the previous canvas into the prefix
     cache, draw a canvas, denoise it (canvas.py), commit its argmax."""
 

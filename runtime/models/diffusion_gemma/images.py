@@ -1,4 +1,4 @@
-"""DiffusionGemma image preprocessing and prompt placeholders (reference §5.1).
+"""DiffusionGemma image preprocessing and prompt placeholders (transformers' ``Gemma4Processor``).
 
 The pixels go through transformers' own Gemma 4 image processor, its Pillow
 backend (``Gemma4ImageProcessorPil``: aspect-preserving bicubic resize to
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ConfigError, GenerationError
-from ...inputs import ImageInput
+from ...platform.errors import ConfigError, GenerationError
+from ...generation.inputs import ImageInput
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
@@ -58,7 +58,7 @@ class ImageProcessor:
 
     def preprocess(self, images: list) -> list[ImageInput]:
         """Image sources (paths, bytes, data: URLs, PIL images) -> vision tower inputs."""
-        from ...images import open_image
+        from ...generation.images import open_image
 
         out = []
         for i, source in enumerate(images):

@@ -3,7 +3,7 @@ dense MLP, the router, the routed experts and the decoder layer.
 
 Parameter names equal the converted tensor names (mlx-community layout), so a
 converted directory loads with ``Model.load_weights`` as it is.  Equations and
-dtype flow follow ../../../shared/reference/diffusion_gemma.md §3 (transformers 5.24):
+dtype flow follow transformers 5.24's ``modeling_diffusion_gemma.py``:
 
 * RMSNorm multiplies by ``w`` (not ``1 + w``), computed in float32, one cast.
 * Attention scale is 1.0; full-attention layers have K = V (raw k_proj output,
@@ -26,10 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...errors import ConfigError
-from ..rows import linear, per_sequence
-from ..quantized import per_call
-from ..switch import SwitchLinear, by_count, by_expert, cpu_eager_experts, grouped, project, stacks
+from ...platform.errors import ConfigError
+from ..rows import linear
+from ..switch import SwitchLinear, SwitchMLP
 from .config import SLIDING, ModelArgs
 
 
@@ -39,7 +38,7 @@ from .config import SLIDING, ModelArgs
 
 
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:
-    """RMS_w(x) in float32 with one cast back (reference §3, pitfall 1)."""
+    """RMS_w(x) in float32 with one cast back (transformers' ``DiffusionGemmaRMSNorm``: w, not 1 + w)."""
     if x.dtype == mx.float32:
         return mx.fast.rms_norm(x, weight, eps)
     x32 = x.astype(mx.float32)
@@ -185,7 +184,8 @@ class Attention(nn.Module):
     def _encoder_mask(self, n_prev: int, S: int, blocks: Optional[mx.array] = None):
         # Queries sit at positions n_prev..n_prev+S-1 of the visible key run.
         # ``blocks`` (the chunk's image block ids, -1 for text): positions of one image
-        # block see each other in full and sliding layers alike (reference §5.3);
+        # block see each other in full and sliding layers alike (transformers'
+        # ``create_masks_for_generate`` with ``block_sequence_ids``);
         # a chunk never splits a block, so the cached keys are never in one.
         windowed = self.is_sliding and n_prev + S > self.window
         if blocks is None and not windowed:
@@ -278,7 +278,10 @@ class Router(nn.Module):
         return w * self["per_expert_scale"][idx].astype(mx.float32), idx
 
 
-class Experts(nn.Module):
+class Experts(SwitchMLP):
+    """The routed experts: one fused gate_up projection and a gelu-tanh GEGLU
+    (switch.SwitchMLP chooses the kernel); returns the weighted sum."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         H, M, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
@@ -287,44 +290,15 @@ class Experts(nn.Module):
         self.down_proj = SwitchLinear(M, H, E)
 
     @property
-    def eager(self) -> bool:
-        """CPU backend: float experts run outside mx.compile (grouped per call), and
-        quantized ones too (their kernel split over the CPU streams)."""
-        return cpu_eager_experts(self.gate_up_proj, self.down_proj)
+    def inputs(self) -> list:
+        return [self.gate_up_proj]
 
-    def _expert(self, e: int, blocks: list[mx.array]) -> list[mx.array]:
-        gate_up, down = self.gate_up_proj.expert_weight(e), self.down_proj.expert_weight(e)
-        outs = []
-        for rows in blocks:
-            h = project(rows, gate_up)
-            outs.append(project(geglu(h[:, : self.inter], h[:, self.inter :]), down))
-        return outs
-
-    def _through(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        """The experts' MLP through ``gather_mm`` (``SwitchLinear`` with ``indices``)."""
-        h = self.gate_up_proj(x, indices, sorted_indices=sorted_indices)
-        return self.down_proj(geglu(h[..., : self.inter], h[..., self.inter :]), indices, sorted_indices=sorted_indices)
+    def activate(self, gate_up: mx.array) -> mx.array:
+        return geglu(gate_up[..., : self.inter], gate_up[..., self.inter :])
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array, sequences: int = 1) -> mx.array:
-        """``sequences``: ``x`` holds that many equal-length sequences' rows, in
-        order (batched generation): the kernel is the one each would get alone,
-        and grouped experts multiply each sequence's rows on their own (dlm.runtime.models.rows)."""
-        N, K = idx.shape
-        E = self.gate_up_proj["weight"].shape[0]
-        each = per_sequence(N, sequences) * K  # token copies of one sequence
-        if stacks(self.gate_up_proj, self.down_proj):
-            y = by_count(x, idx, self._through, sequences)
-        elif grouped(each, E, self.gate_up_proj, self.down_proj):
-            y = by_expert(x, idx, E, self._expert, per_call(self.gate_up_proj), sequences)
-        elif each >= 64:
-            # Sort token copies by expert so gather_mm reads each expert once.
-            flat = idx.flatten()
-            order = mx.argsort(flat)
-            inverse = mx.argsort(order)
-            ids = flat[order]
-            y = self._through(x[order // K][:, None, :], ids, sorted_indices=True)[inverse].reshape(N, K, -1)
-        else:
-            y = self._through(x[:, None, None, :], idx).reshape(N, K, -1)
+        """The routing ``weights``' sum of each token's experts (``dispatch``)."""
+        y = self.dispatch(x, idx, sequences)
         # Weighted sum in float32, one cast (transformers' grouped_mm path).
         return (y.astype(mx.float32) * weights[..., None]).sum(axis=1).astype(x.dtype)
 

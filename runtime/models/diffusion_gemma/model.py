@@ -13,11 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import cpu_vocab
+from ..cpu import vocab as cpu_vocab
+from ...generation.options import PREFILL_STEP_SIZE
 from ..base import compile_enabled
-from ..cpu_streams import VOCAB_MIN_PIECE_BYTES, split_positions, splits
-from ..quantized import embedding_matmul, per_call, wants
-from ..rows import as_linear, matmul
+from ..cpu.streams import VOCAB_MIN_PIECE_BYTES, split_positions
+from ..cpu.dequant import per_call, splits, wants
+from ..rows import as_linear, embedding_matmul, matmul
 from ..taps import layer_input
 from .config import SLIDING, ModelArgs
 from .scores import PIECE_BYTES
@@ -103,7 +104,7 @@ class DecoderModel(nn.Module):
     def split_vocab(self) -> bool:
         """A quantized embedding on the CPU backend: the two full-vocabulary
         matmuls (head, self-conditioning) run eagerly with their rows split over
-        the CPU streams (dlm.runtime.models.cpu_streams)."""
+        the CPU streams (dlm.runtime.models.cpu.streams)."""
         return splits(self.embed_tokens)
 
     def compiled(self) -> "Ends":
@@ -137,7 +138,7 @@ def softcap(logits: mx.array, cap: float) -> mx.array:
     """float32 ``tanh(logits / cap) * cap``: a tanh per vocabulary entry, its rows
     split over the CPU streams (MLX's CPU tanh: 10-18 ns an entry on one thread,
     0.7-1.2 s per step at the released geometry; about half that on two)."""
-    if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector tanh (cpu_vocab.py)
+    if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector tanh (cpu/vocab.py)
         return cpu_vocab.softcap(logits, cap)
     c = mx.array(cap, dtype=mx.float32)
     return split_positions(lambda rows: _softcap_rows(rows, c), logits, piece_bytes=PIECE_BYTES,
@@ -213,7 +214,7 @@ class Model(nn.Module):
       ([B, S] or [S] int) at positions ``offset..offset+S-1`` (default: the cache's
       offset), appending post-norm post-RoPE K and normed V to ``cache``. Used for the
       prompt and for re-encoding each committed canvas at its own positions. Lazy.
-    * ``prefill(ids, cache, chunk_size=2048) -> None``: ``encode`` in chunks, each evaluated.
+    * ``prefill(ids, cache, chunk_size) -> None``: ``encode`` in chunks (--prefill-step-size), each evaluated.
     * ``decode(canvas, cache, sc_logits=None, offset=None, sc_probs=None) -> mx.array``:
       one denoiser pass over ``canvas`` ([B, L] or [L]) at positions
       ``offset..offset+L-1`` reading ``cache`` read-only; ``sc_logits`` ([B, L, V],
@@ -261,7 +262,7 @@ class Model(nn.Module):
         """Whether a step over canvases of up to ``positions`` positions (a
         batch's longest) builds as a lazy graph, so the loop may build the next step while this
         one runs: not when CPU experts read their routing on the host, nor when
-        the softcap and scores go through numpy (cpu_vocab.py). Otherwise
+        the softcap and scores go through numpy (cpu/vocab.py). Otherwise
         building the next step would compute it, wasted if the canvas stops.
         ``eager``: ``eager_experts()`` when the caller keeps it (a batch's steps)."""
         if self.eager_experts() if eager is None else eager:
@@ -285,7 +286,8 @@ class Model(nn.Module):
                collect: Optional[list] = None, compiled: bool = False) -> None:
         """``features`` [n, hidden] replace the embeddings where ``blocks`` >= 0
         (in order); ``blocks`` ([S] ints, -1 for text) also makes each image
-        block bidirectional in every layer (reference §5.3). ``collect``: a
+        block bidirectional in every layer (as transformers' DiffusionGemma ``generate``
+        masks them, ``get_block_sequence_ids_for_mask``). ``collect``: a
         list that gets each layer's output (None for the last layer, which
         only writes the cache), for dlm-verify's per-layer diagnostic.
         ``compiled``: the layers' fixed-shape parts run fused, as the decoder's
@@ -314,7 +316,7 @@ class Model(nn.Module):
             if collect is not None:
                 collect.append(h)
 
-    def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = 2048,
+    def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = PREFILL_STEP_SIZE.default,
                 features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None,
                 collect: Optional[list] = None) -> None:
         """``encode`` in chunks, each evaluated. With images (``features``,

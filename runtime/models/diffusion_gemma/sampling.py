@@ -1,8 +1,9 @@
 """DiffusionGemma per-step sampling rules as small MLX functions.
 
 Each works on arrays shaped [..., L] (per position) or [..., L, V] (logits), so
-it is unit-testable on hand-made inputs. The reference rules are in
-../shared/reference/diffusion_gemma.md §4.2-4.5 (transformers 5.24).
+it is unit-testable on hand-made inputs. The rules are transformers 5.24's
+``generation_diffusion_gemma.py`` (``_denoising_step``, ``EntropyBoundSampler``,
+``StableAndConfidentStoppingCriteria``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def confident(entropy: mx.array, threshold: float) -> mx.array:
 
 
 def debug_canvas_pattern(n: int, length: int, vocab: int) -> mx.array:
-    """The n-th fixed "random" canvas of debug-canvas mode (reference §4.9):
+    """The n-th fixed "random" canvas of debug-canvas mode (lablup/mlxcel's ``debug_canvas_pattern``):
     x[i] = ((i + 1) * 7919 + n * 104729) mod V."""
     i = np.arange(1, length + 1, dtype=np.int64)
     return mx.array(((i * 7919 + n * 104729) % vocab).astype(np.int32))

@@ -1,7 +1,7 @@
 """A denoising step's work over the full vocabulary, in as few passes as the math allows.
 
 Everything a step needs from its logits [..., L, V] comes from one exponential
-per entry (reference §4.2-4.5):
+per entry (the step of transformers' ``generation_diffusion_gemma.py``: ``_denoising_step``):
 
     proc    = logits / T                      argmax = argmax(proc)
     z       = proc - proc[argmax]             e = exp(z),  s = Σ e
@@ -20,7 +20,7 @@ Why: on MLX's CPU backend an exponential or tanh costs ~14 ns per entry on one
 thread, so at the released geometry (256 positions x 262144) each such pass
 took ~0.95 s, and the old step made six (softcap, two in the entropy, Gumbel
 noise with two logs, the next step's softmax): 5.6 s of a 10.9 s step.
-``python -m scripts.bench_vocab`` measures the before and after. Rows are
+``python -m scripts.bench.vocab`` measures the before and after. Rows are
 independent, so on the CPU the rows are split over the CPU streams (one per
 core; bit-identical to one stream, tests/diffusion_gemma/test_scores.py).
 """
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .. import cpu_vocab
-from ..cpu_streams import VOCAB_MIN_PIECE_BYTES, split_rows
+from ..cpu import vocab as cpu_vocab
+from ..cpu.streams import VOCAB_MIN_PIECE_BYTES, split_rows
 
 _F32_MIN = float(np.finfo(np.float32).min)
 _TINY = float(np.finfo(np.float32).tiny)
@@ -84,7 +84,7 @@ def _score_rows(logits: mx.array, t: mx.array):
 
 def score(logits: mx.array, t) -> Scores:
     """The step's scores of float32 ``logits`` [..., V] at temperature ``t`` (lazy;
-    evaluated through numpy at scale on the CPU backend, cpu_vocab.py): a scalar,
+    evaluated through numpy at scale on the CPU backend, cpu/vocab.py): a scalar,
     or one per sequence ([B, 1, 1] for [B, L, V]; each row divides by its own,
     the same division as alone)."""
     t = t if isinstance(t, mx.array) else mx.array(t, dtype=mx.float32)
@@ -92,7 +92,7 @@ def score(logits: mx.array, t) -> Scores:
     rows = logits.reshape(-1, vocab)
     # One temperature per sequence (a batch's canvases at different steps): one per row.
     per_row = mx.broadcast_to(t, (*lead, 1)).reshape(-1, 1) if t.ndim else None
-    if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
+    if cpu_vocab.wanted(logits):  # the CPU backend at scale: numpy's vector exp (cpu/vocab.py)
         argmax, entropy, probs, total = cpu_vocab.score_rows(logits, t.item() if per_row is None
                                                              else np.array(per_row))
     elif per_row is None:

@@ -1,5 +1,5 @@
 """The Gemma 4 vision tower and DiffusionGemma's multimodal embedder in MLX
-(reference §5.2; parameter names equal the checkpoint's).
+(transformers' ``modeling_gemma4.py: Gemma4VisionModel``; parameter names equal the checkpoint's).
 
     x = input_proj(2 (pixels - 0.5)) + PE[0][x_pos] + PE[1][y_pos]
     N x (norm sandwich: bidirectional attention with 2-D RoPE, gelu-tanh MLP)
@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...errors import ConfigError
+from ...platform.errors import ConfigError
 from .layers import RMSNorm, geglu, rms_norm
 
 
@@ -50,7 +50,7 @@ class VisionArgs:
         r = ConfigReader(vision, where)
         rope = r.dict("rope_parameters", {}) or {}
         rope_type = rope.get("rope_type", "axial")
-        if rope_type not in ("axial", "default"):  # "default" is read as "axial" (reference §1.6)
+        if rope_type not in ("axial", "default"):  # "default" is read as "axial" (transformers' Gemma4VisionConfig)
             raise ConfigError(f"{where}: unsupported vision rope_type {rope_type!r}")
         heads = r.int("num_attention_heads", 12, minimum=1)
         args = cls(

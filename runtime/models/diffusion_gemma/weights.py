@@ -14,7 +14,7 @@ import re
 
 import mlx.core as mx
 
-from ...errors import WeightError
+from ...platform.errors import WeightError
 from ..plan import Renamed, TensorPlan
 from .config import SLIDING, ModelArgs
 

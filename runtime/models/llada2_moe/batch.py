@@ -32,8 +32,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ...generate import Block
-from ..cpu_streams import VOCAB_MIN_PIECE_BYTES, split_rows
+from ...generation.progress import Block
+from ..cpu.streams import VOCAB_MIN_PIECE_BYTES, split_rows
 from .model import block_causal_mask
 from .sampling import on_host, reveal, sample
 from .structured import denoise_structured
@@ -82,7 +82,7 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
     if session.needs_uniforms:
         rows.append(mx.array(np.concatenate([r.uniforms if r.rows is None else r.uniforms[r.rows] for r in reqs])))
 
-    # Over the vocabulary: numpy's threads at scale (cpu_vocab.py: decided by one
+    # Over the vocabulary: numpy's threads at scale (cpu/vocab.py: decided by one
     # block's size, as alone), else rows split over the CPU streams where the
     # pieces are big enough to pay (MLX's exp runs on one thread).
     host = on_host(bl * logits.shape[-1], s)
@@ -238,7 +238,8 @@ class Member:
                 s.needs_uniforms, s.logit_bias is not None, s.s.early_stop, tuple(sorted(s.stops)))
 
     def _edit(self, b: int, start: int, block, gen_from: int):
-        """LLaDA2.1 draft-and-edit (§6.3): mask-to-token reveals as in 2.0 (quota
+        """LLaDA2.1 draft-and-edit (the LLaDA2.1-mini hub ``generate``; LLaDA2.1 tech
+        report, arXiv 2602.08676): mask-to-token reveals as in 2.0 (quota
         fallback), plus token-to-token edits of generated positions whose new
         token has confidence > editing_threshold; after the last mask, editing
         passes until nothing changes (at most max_post_steps)."""

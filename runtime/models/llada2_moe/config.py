@@ -1,13 +1,14 @@
 """LLaDA2.0 / 2.1 MoE (``llada2_moe``) config: ``ModelArgs`` from the hub
 config.json, and the config dlm-convert writes.
-Reference: ../shared/reference/llada2_moe.md (§1).
+Fields as in the hub ``configuration_llada2_moe.py`` and config.json of
+inclusionAI/LLaDA2.0-mini (and LLaDA2.1-mini, the same architecture).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...errors import ConfigError
+from ...platform.errors import ConfigError
 from ..base import BaseModelArgs, ConfigReader
 
 DEFAULT_EOS_ID = 156892  # <|endoftext|>; 2.0 configs carry no eos_token_id

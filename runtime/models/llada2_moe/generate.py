@@ -1,4 +1,5 @@
-"""LLaDA-2 block-diffusion generation (reference: llada2_moe.md §4, §6.3).
+"""LLaDA-2 block-diffusion generation (after ``LLaDA2MoeModelLM.generate`` in the hub
+``modeling_llada2_moe.py`` of inclusionAI/LLaDA2.0-mini, and of LLaDA2.1-mini for editing).
 
 The sequence is the prompt followed by mask tokens, cut into blocks of
 ``block_length``. Blocks are generated in order; inside a block every step
@@ -42,27 +43,24 @@ from typing import Callable, Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
-from ...errors import GenerationError
-from ...events import GenerationEvent
-from ...generate import Block, PrefixState, check_prompt, common_prefix, run
-from ...memory import check_budget, scores_materialized
-from ...options import resolve
+from ...platform.errors import GenerationError
+from ...generation.events import GenerationEvent
+from ...generation.progress import Block, PrefixState, check_prompt, common_prefix, run
+from ...platform.memory import check_budget, scores_materialized
 from ..base import ConfigReader
 from .model import block_causal_mask
 from .options import (
     BLOCK_LENGTH,
+    DEFAULTS as D,
     EDITING_THRESHOLD_21,
     LINEAR_FLOOR,
     MAX_POST_STEPS,
-    OPTIONS,
-    REFUSED,
     STEPS,
     THRESHOLD,
 )
 from .sampling import UniformStream, transfer_quota
 from .trace import BlockTracer
 
-PREFILL_STEP = 2048
 ROLE_END = "<|role_end|>"
 
 
@@ -85,12 +83,12 @@ def parse_threshold_schedule(value, threshold: float) -> Optional[float]:
 class Settings:
     mask_token_id: int
     eos_token_ids: tuple[int, ...]
-    max_tokens: int = 256
+    max_tokens: int = D["max_tokens"]
     block_length: int = BLOCK_LENGTH
     steps: int = STEPS
     threshold: float = THRESHOLD
     min_threshold: Optional[float] = None  # linear schedule floor; None: constant
-    temperature: float = 0.0
+    temperature: float = D["temp"]
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
@@ -98,9 +96,9 @@ class Settings:
     # None: no editing; "auto": LLaDA2.1 checkpoints edit at 0.9, others do not.
     editing_threshold: Optional[float] | str = "auto"
     max_post_steps: int = MAX_POST_STEPS
-    prefill_step_size: int = PREFILL_STEP  # prompt tokens per prefill forward (rounded to blocks)
-    memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.memory)
-    skip_special_tokens: bool = True
+    prefill_step_size: int = D["prefill_step_size"]  # prompt tokens per prefill forward (rounded to blocks)
+    memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.platform.memory)
+    skip_special_tokens: bool = D["skip_special_tokens"]
     # Internal switches (parity suite and tests; not CLI flags).
     kv_cache: bool = True
     suppress_mask: bool = True  # never sample the mask token (the hub does not exclude it)
@@ -113,27 +111,27 @@ class Settings:
 
     @classmethod
     def from_options(cls, options: dict, args, generation_config: dict) -> "Settings":
-        """Settings from options (checked against options.py) over generation_config over defaults."""
-        options = resolve(OPTIONS, options, "LLaDA-2", REFUSED)
+        """Settings from options (already checked: dlm.runtime.registry.settings) over
+        generation_config over defaults."""
         # generation_config values are typed and range-checked (a bad one names the key).
         g = ConfigReader(generation_config or {}, "generation_config.json", "generation config")
         vocab = args.vocab_size
         s = cls(
             mask_token_id=g.int("mask_token_id", args.mask_token_id, minimum=0, maximum=vocab - 1),
             eos_token_ids=tuple(g.token_ids("eos_token_id", list(args.eos_token_ids), vocab=vocab)),
-            max_tokens=options.get("max_tokens", g.int("max_new_tokens", 256, minimum=0)),
+            max_tokens=options.get("max_tokens", g.int("max_new_tokens", D["max_tokens"], minimum=0)),
             block_length=options.get("block_length", g.int("block_length", BLOCK_LENGTH, minimum=1)),
             steps=options.get("max_denoising_steps", g.int("steps", STEPS, minimum=1)),
             threshold=options.get("threshold", g.float("threshold", THRESHOLD, minimum=0.0, maximum=1.0)),
-            temperature=options.get("temp", g.float("temperature", 0.0, minimum=0.0)),
+            temperature=options.get("temp", g.float("temperature", D["temp"], minimum=0.0)),
             top_k=options.get("top_k"),
             top_p=options.get("top_p"),
             seed=options.get("seed"),
             reference_sampling=bool(options.get("reference_sampling") or False),
             max_post_steps=options.get("max_post_steps", g.int("max_post_steps", MAX_POST_STEPS, minimum=0)),
-            prefill_step_size=options.get("prefill_step_size", PREFILL_STEP),
+            prefill_step_size=options.get("prefill_step_size", D["prefill_step_size"]),
             memory_budget=options.get("memory_budget"),
-            skip_special_tokens=options.get("skip_special_tokens", True),
+            skip_special_tokens=options.get("skip_special_tokens", D["skip_special_tokens"]),
         )
         if options.get("editing_threshold") is not None:
             s.editing_threshold = float(options["editing_threshold"])
@@ -226,7 +224,7 @@ def stream_generate(
 
 
 class BlockSession:
-    """LLaDA-2's step for the shared loop (dlm.runtime.generate): the prompt's
+    """LLaDA-2's step for the shared loop (dlm.runtime.generation.progress): the prompt's
     full blocks into the cache, then one block per ``next_block``, denoised
     (2.0) or drafted and edited (2.1)."""
 

@@ -1,4 +1,5 @@
-"""The LLaDA-2 MLX model (llada2_moe.md §3): fused QKV with QK-norm before
+"""The LLaDA-2 MLX model (the forward pass of inclusionAI/LLaDA2.0-mini's hub
+``modeling_llada2_moe.py``): fused QKV with QK-norm before
 partial RoPE, a sigmoid group-limited router with ``expert_bias``, routed and
 shared experts, dense first layers, and the committed-prefix KV cache of the
 block loop.
@@ -12,10 +13,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..base import compile_enabled
-from ..cpu_streams import split_positions, splits
-from ..rows import as_linear, linear, matmul, per_sequence
-from ..quantized import linear_each, per_call, wants
-from ..switch import SwitchLinear, by_count, by_expert, cpu_eager_experts, dense, grouped, project, stacks
+from ..cpu.streams import split_positions
+from ..rows import as_linear, linear, linear_each, matmul
+from ..cpu.dequant import per_call, splits, wants
+from ..switch import SwitchLinear, SwitchMLP, dense
 from ..taps import layer_input
 from .config import ModelArgs
 from .options import BLOCK_LENGTH
@@ -24,14 +25,15 @@ from .weights import sanitize
 
 def _linear(module, x):
     """``rows.linear``; a quantized module on the CPU backend has its rows split
-    over the CPU streams (cpu_streams.py: its kernel is single-threaded)."""
+    over the CPU streams (cpu/streams.py: its kernel is single-threaded)."""
     if splits(module):
         return split_positions(lambda rows: linear(module, rows), x)
     return linear(module, x)
 
 
-class SwitchGLU(nn.Module):
-    """Routed experts: ``down(silu(gate(x)) * up(x))`` for each (token, slot)."""
+class SwitchGLU(SwitchMLP):
+    """Routed experts: ``down(silu(gate(x)) * up(x))`` for each (token, slot)
+    (switch.SwitchMLP chooses the kernel): x [T, H], indices [T, k] -> [T, k, H]."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int):
         super().__init__()
@@ -39,19 +41,17 @@ class SwitchGLU(nn.Module):
         self.up_proj = SwitchLinear(hidden, inter, num_experts)
         self.down_proj = SwitchLinear(inter, hidden, num_experts)
 
-    def _expert(self, e: int, blocks: list[mx.array]) -> list[mx.array]:
-        gate, up, down = (p.expert_weight(e) for p in (self.gate_proj, self.up_proj, self.down_proj))
-        return [project(nn.silu(project(rows, gate)) * project(rows, up), down) for rows in blocks]
+    @property
+    def inputs(self) -> list:
+        return [self.gate_proj, self.up_proj]
 
-    def _through(self, x, indices, sorted_indices: bool = False):
-        """The experts' MLP through ``gather_mm`` (``SwitchLinear`` with ``indices``)."""
-        h = nn.silu(self.gate_proj(x, indices, sorted_indices)) * self.up_proj(x, indices, sorted_indices)
-        return self.down_proj(h, indices, sorted_indices)
+    def activate(self, gate, up):
+        return nn.silu(gate) * up
 
     def weighted(self, x, indices, weights):
         """The routed experts' weighted sum, ``x`` [S, n, H] (S sequences of n
         positions), indices/weights [S*n, k] -> float32 [S, n, H], through all
-        the experts at once (small experts on the CPU: switch.dense): each
+        the experts at once (small experts on the CPU: cpu/experts.dense): each
         token times every expert's gate and up weights, the chosen ones kept,
         and their activations, scaled by the routing weights, through one down
         product. Every product runs per sequence (rows.matmul)."""
@@ -68,27 +68,6 @@ class SwitchGLU(nn.Module):
         spread = mx.put_along_axis(mx.zeros((T, E, inter), dtype=h.dtype), indices[..., None], h, axis=1)
         down = self.down_proj["weight"].transpose(0, 2, 1).reshape(E * inter, H)
         return matmul(spread.reshape(S, n, E * inter), down).astype(mx.float32)
-
-    def __call__(self, x, indices, sequences: int = 1):
-        """x [T, H], indices [T, k] -> [T, k, H]. ``sequences``: ``x`` holds that
-        many equal-length sequences' rows, in order (batched generation): the
-        kernel is the one each gets alone, and grouped experts multiply each
-        sequence's rows on their own (dlm.runtime.models.rows)."""
-        T, k = indices.shape
-        E = self.gate_proj["weight"].shape[0]
-        n = per_sequence(T, sequences)
-        if stacks(self.gate_proj, self.up_proj, self.down_proj):  # one GEMM per expert
-            return by_count(x, indices, self._through, sequences)
-        if grouped(n * k, E, self.gate_proj, self.up_proj, self.down_proj):  # one expert at a time
-            return by_expert(x, indices, E, self._expert, per_call(self.gate_proj), sequences)
-        if n * k >= 64:
-            # Sort (token, slot) pairs by expert so each expert's rows are contiguous.
-            flat = indices.reshape(-1)
-            order = mx.argsort(flat)
-            inverse = mx.argsort(order)
-            y = self._through(x[order // k][:, None, :], flat[order], sorted_indices=True)[:, 0, :]
-            return y[inverse].reshape(T, k, -1)
-        return self._through(x[:, None, None, :], indices)[:, :, 0, :]
 
 
 class CommittedKVCache:
@@ -229,7 +208,8 @@ class MLP(nn.Module):
 
 
 class Gate(nn.Module):
-    """Sigmoid router, expert_bias for selection only, group-limited top-k (§3.6).
+    """Sigmoid router, expert_bias for selection only, group-limited top-k (as the
+    hub ``modeling_llada2_moe.py: LLaDA2MoeSparseMoeBlock`` routes).
     Raw arrays, not a Linear: the router is never quantized."""
 
     def __init__(self, args: ModelArgs):
@@ -274,8 +254,7 @@ class SparseMoe(nn.Module):
     def eager(self) -> bool:
         """CPU backend: large float experts (grouped, with host reads) and quantized
         ones (split over the CPU streams) run outside mx.compile."""
-        sw = self.switch_mlp
-        return cpu_eager_experts(sw.gate_proj, sw.up_proj, sw.down_proj)
+        return self.switch_mlp.eager
 
     def route(self, x):
         """``x`` [S, n, H] -> its rows [S*n, H], their experts and routing weights [S*n, k]."""
@@ -286,7 +265,7 @@ class SparseMoe(nn.Module):
     def routed(self, x, t, idx, w):
         """The routed experts' weighted sum of ``route``'s rows, float32."""
         S, sw = x.shape[0], self.switch_mlp
-        if dense(t.shape[0] // S, sw.gate_proj, sw.up_proj, sw.down_proj):
+        if dense(t.shape[0] // S, *sw.projections):
             return sw.weighted(x, idx, w)
         return (sw(t, idx, S).astype(mx.float32) * w[..., None]).sum(1)  # [T, k, H] summed
 
@@ -332,7 +311,7 @@ class DecoderLayer(nn.Module):
     def fusable(self) -> bool:
         """Whether the layer's pieces may run inside mx.compile: not where a
         quantized linear runs split over the CPU streams or dequantized per call
-        (cpu_streams.py, quantized.py: those run eagerly)."""
+        (cpu/streams.py, cpu/dequant.py: those run eagerly)."""
         return not any(splits(m) or per_call(m) for _, m in self.named_modules()
                        if isinstance(m, (nn.Linear, nn.QuantizedLinear)))
 
@@ -438,7 +417,7 @@ class Model(nn.Module):
 
     def head(self, h):
         """float32 logits of normed hidden states; a quantized head on the CPU
-        backend has its rows split over the CPU streams (cpu_streams.py)."""
+        backend has its rows split over the CPU streams (cpu/streams.py)."""
         tied = self.args.tie_word_embeddings
         module = self.head_module
 

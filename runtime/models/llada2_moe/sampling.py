@@ -1,5 +1,5 @@
 """LLaDA-2 per-step rules (MLX, no host syncs; at scale on the CPU backend the
-sampler reads its logits into numpy, cpu_vocab.py): the per-step reveal quota,
+sampler reads its logits into numpy, cpu/vocab.py): the per-step reveal quota,
 the shared uniform stream, top-k/top-p filtering, sampling and the reveal rule."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import cpu_vocab
+from ..cpu import vocab as cpu_vocab
 
 
 def transfer_quota(block_length: int, steps: int) -> list[int]:
@@ -50,7 +50,7 @@ def filter_logits(logits, top_k=None, top_p=None):
 
 
 def on_host(entries: int, s) -> bool:
-    """Whether ``sample`` over ``entries`` logits runs through numpy (cpu_vocab.py:
+    """Whether ``sample`` over ``entries`` logits runs through numpy (cpu/vocab.py:
     the CPU backend at scale; top-k/top-p filtering stays in MLX)."""
     return cpu_vocab.takes(entries) and not s.top_k and (s.top_p is None or s.top_p >= 1)
 
@@ -63,7 +63,7 @@ def sample(logits, s, uniforms: Optional[np.ndarray], host: Optional[bool] = Non
     batch passes what one block alone takes, so both get the same bits)."""
     greedy = s.temperature == 0 and not s.reference_sampling
     if on_host(logits.size, s) if host is None else host:
-        lead = logits.shape[:-1]  # the CPU backend at scale: numpy's vector exp (cpu_vocab.py)
+        lead = logits.shape[:-1]  # the CPU backend at scale: numpy's vector exp (cpu/vocab.py)
         tok, conf = cpu_vocab.sample_rows(logits, s.temperature, None if greedy else uniforms)
         return tok.reshape(lead), conf.reshape(lead)
     if greedy:

@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...errors import WeightError
+from ...platform.errors import WeightError
 from ..plan import TensorPlan
 from .config import ModelArgs
 

@@ -1,0 +1,178 @@
+"""``dlm-run generate --prompts-file prompts.jsonl --output results.jsonl``:
+an offline job of many prompts, generated together (dlm.runtime.batch).
+
+Each line of the prompts file is a JSON string (a prompt) or an object:
+
+    {"prompt": "Why is the sky blue?", "seed": 1, "max_tokens": 64}
+    {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.5, "id": "q2"}
+    {"prompt_ids": [2, 10, 11]}
+
+``prompt`` / ``messages`` / ``prompt_ids`` (exactly one), optionally
+``system``, ``chat_template``, ``thinking``, ``images`` (file paths) and
+``id`` (copied to the result); every other key is a generation option (the
+snake_case flag names, or the request field names: ``temperature``), over the
+command line's flags. Blank lines are skipped. The output has one JSON object
+per prompt, in the file's order (each written once it and the ones before it
+are done), with the fields of ``dlm-run generate --json`` plus ``index`` and
+``id``. Every prompt gets exactly what ``dlm-run generate`` gives it alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Optional
+
+import click
+
+from ..platform.errors import DlmError, GenerationError
+
+PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
+OTHER_FIELDS = ("system", "chat_template", "thinking", "images", "id")
+
+
+def batch_options(func):
+    """The batch-mode flags of ``dlm-run generate``."""
+    options = (
+        click.option("--prompts-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+                     help="Generate for every prompt of this JSONL file together (one JSON string or "
+                          "object per line: prompt / messages / prompt_ids and per-prompt options); "
+                          "results go to --output."),
+        click.option("--output", "-o", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+                     help="With --prompts-file: the results JSONL file ['-': stdout]."),
+        click.option("--max-batch", type=click.IntRange(min=1), default=None,
+                     help="With --prompts-file: prompts generated together [8]; 1: one at a time."),
+    )
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def read_prompts(path: str) -> list[tuple[int, dict]]:
+    """(line number, item) for each prompt line; a bad line is a DlmError naming it."""
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DlmError(f"--prompts-file {path}: cannot read it ({exc})") from None
+    items = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--prompts-file {path} line {number}"
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise DlmError(f"{where}: not JSON ({exc})") from None
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict):
+            raise DlmError(f"{where}: expected a JSON string or object, got {type(item).__name__}")
+        given = [k for k in PROMPT_FIELDS if k in item]
+        if len(given) != 1:
+            raise DlmError(f"{where}: give exactly one of {', '.join(PROMPT_FIELDS)}"
+                           + (f" (got {', '.join(given)})" if given else ""))
+        items.append((number, item))
+    if not items:
+        raise DlmError(f"--prompts-file {path}: no prompts in it")
+    return items
+
+
+def encode(api, loaded, item: dict, defaults: dict, where: str):
+    """The prompt of one item: ids, or PromptInputs with images."""
+    try:
+        if "prompt_ids" in item:
+            if item.get("images"):
+                raise GenerationError("images take a prompt or messages, not prompt_ids (raw ids carry no image)")
+            ids = item["prompt_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise GenerationError("prompt_ids must be a non-empty list of token ids")
+            return ids
+        template = item.get("chat_template", defaults["chat_template"])
+        kwargs = dict(system=item.get("system", defaults["system"]), chat_template=template,
+                      enable_thinking=item.get("thinking", defaults["thinking"]))
+        text = item.get("prompt")
+        messages = item.get("messages")
+        if text is not None and not isinstance(text, str):
+            raise GenerationError("prompt must be a string")
+        if item.get("images"):
+            from ..generation.images import open_file
+
+            pictures = [open_file(p, f"images: {p}") for p in item["images"]]
+            return api.encode_inputs(loaded, text, messages, images=pictures, **kwargs)
+        return api.encode_prompt(loaded, text, messages, **kwargs)
+    except DlmError as exc:
+        raise DlmError(f"{where}: {exc}") from None
+
+
+def result_record(index: int, item: dict, prompt_ids: list[int], result) -> dict:
+    record = {"index": index}
+    if "id" in item:
+        record["id"] = item["id"]
+    record.update({
+        "prompt_ids": prompt_ids, "token_ids": result.token_ids, "text": result.text,
+        "reasoning": result.reasoning, "finish_reason": result.finish_reason,
+        "steps_per_canvas": result.stats.steps_per_block, "tokens_per_canvas": [len(b) for b in result.blocks],
+        "stats": result.stats.to_dict(),
+    })
+    return record
+
+
+def check_flags(prompts_file: Optional[str], output, max_batch, single: dict) -> None:
+    """--output / --max-batch need --prompts-file, which takes none of the
+    one-prompt flags in ``single`` (flag -> value given)."""
+    if prompts_file is None:
+        for flag, value in (("--output", output), ("--max-batch", max_batch)):
+            if value is not None:
+                raise click.UsageError(f"{flag} takes effect only with --prompts-file")
+        return
+    given = [flag for flag, value in single.items() if value]
+    if given:
+        raise click.UsageError(f"--prompts-file takes its prompts from the file; drop {', '.join(given)}")
+
+
+def run_prompts_file(loaded, path: str, items: list[tuple[int, dict]], output: Optional[str], options: dict,
+                     defaults: dict, max_batch: Optional[int], profile: bool) -> None:
+    """The job of ``items`` (read_prompts of ``path``): check every prompt,
+    generate, write (see the module doc)."""
+    from .. import api
+    from ..batch import DEFAULT_MAX_BATCH, Batcher
+
+    batcher = Batcher(loaded, max_batch or DEFAULT_MAX_BATCH, options.get("memory_budget"))
+    prompts = []
+    for index, (number, item) in enumerate(items):
+        where = f"--prompts-file {path} line {number}"
+        prompt = encode(api, loaded, item, defaults, where)
+        own = {k: v for k, v in item.items() if k not in PROMPT_FIELDS + OTHER_FIELDS}
+        try:
+            entry = batcher.add(prompt, {**options, **own}, key=index)
+        except DlmError as exc:
+            raise DlmError(f"{where}: {exc}") from None
+        prompts.append(list(getattr(entry.session, "prompt_ids", None) or entry.session.prompt))
+    results = [api.GenerationResult() for _ in items]
+    out = sys.stdout if output in (None, "-") else open(output, "w", encoding="utf-8")
+    written, done, tokens, start = 0, 0, 0, time.perf_counter()
+    try:
+        with click.progressbar(length=len(items), label="generating", file=sys.stderr,
+                               show_eta=True, item_show_func=lambda s: s) as bar:
+            for entry, event in batcher.run():
+                api._take(results[entry.key], event)
+                tokens += len(event.token_ids)
+                if not event.done:
+                    continue
+                done += 1
+                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                bar.update(1, f"{tokens} tokens, {rate:.1f} tokens/s")
+                while written < len(items) and results[written].finish_reason is not None:
+                    out.write(json.dumps(result_record(written, items[written][1], prompts[written],
+                                                       results[written])) + "\n")
+                    out.flush()
+                    written += 1
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if profile:
+        wall = time.perf_counter() - start
+        click.echo(f"Batch: {len(items)} prompts, {tokens} tokens in {wall:.3f} s, "
+                   f"{tokens / wall if wall else 0.0:.3f} tokens-per-sec (up to {batcher.max_batch} together)",
+                   err=True)

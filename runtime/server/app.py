@@ -1,0 +1,554 @@
+"""OpenAI-compatible HTTP server for dlm models (``dlm-run serve``).
+
+FastAPI routes validate a request, tokenize it, and queue it on the generation
+worker (``batch_worker.py``: up to ``max_batch`` requests generated together;
+``worker.py`` with ``max_batch`` 1); the response object then relays the worker's
+committed canvases/blocks to the client, as one JSON body or as SSE chunks.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health.  Streams carry text only when a canvas/block is committed, in
+sequence order; DiffusionGemma's thinking goes to ``reasoning_content`` deltas
+in chat streams and is left out of non-streaming responses.  ``stop`` strings
+are applied to the committed text.  A client that disconnects cancels its
+request (polled once per denoising step).  Chat requests to a model that takes
+images may carry ``image_url`` parts (data: URLs; http(s) with
+``ImageLimits.fetch``), decoded in the request's thread before it is queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..platform.errors import DlmError, GenerationError
+from ..generation.events import GenerationEvent
+from ..generation.images import ImageError, ImageLimits, open_url
+from ..generation.inputs import PromptInputs
+from ..structured.openai import logprobs_body
+from .output import Output
+from .requests import OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat, parse_completion
+from ..batch import DEFAULT_MAX_BATCH
+from .worker import GenerationWorker, Job, QueueFull, WorkerStopped
+
+DEFAULT_QUEUE_SIZE = 16
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# For a model that takes images: base64 data: URLs of a few photos.
+DEFAULT_IMAGE_BODY_BYTES = 32 * 1024 * 1024
+# Runtime option -> the request field that sets it (temp <- temperature, ...).
+FIELD_OF = {option.name: field for field, option in OPTION_FIELDS.items()}
+
+
+def _error_body(exc: BaseException) -> tuple[int, dict]:
+    if isinstance(exc, RequestError):
+        return exc.status, exc.body()
+    if isinstance(exc, DlmError):
+        return 400, RequestError(400, str(exc)).body()
+    if isinstance(exc, WorkerStopped):
+        return 503, RequestError(503, str(exc), err_type="server_error").body()
+    message = f"generation failed: {type(exc).__name__}: {exc}"
+    return 500, RequestError(500, message, err_type="server_error").body()
+
+
+def _sse(obj: Any) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+async def _events(job: Job) -> AsyncIterator[GenerationEvent]:
+    while True:
+        kind, payload = await job.next_message()
+        if kind == "item":
+            yield payload
+        elif kind == "error":
+            raise payload
+        else:
+            return
+
+
+class _JobResponse(Response):
+    """ASGI response that relays one queued job to the client.
+
+    It watches the connection for the whole request: a disconnect (while queued,
+    while generating, or mid-stream) cancels the job, and any early exit frees
+    the worker."""
+
+    def __init__(self, server: "_Server", job: Job, req: ParsedRequest, prompt_tokens: int,
+                 received_at: float):
+        self.server, self.job, self.req = server, job, req
+        self.background = None  # FastAPI attaches background tasks here
+        self.scope: dict = {}
+        self.prompt_tokens = prompt_tokens
+        self.received_at = received_at
+        self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.scope = scope
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        self.server.worker.cancel(self.job)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch_disconnect)
+            try:
+                if self.req.stream:
+                    await self._stream(send)
+                else:
+                    await self._complete(send)
+            finally:
+                self.server.worker.cancel(self.job)  # no-op once the job is done
+                tg.cancel_scope.cancel()
+
+    # -- pieces ------------------------------------------------------------
+    def _usage(self, out: Output) -> dict:
+        completion = out.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def _timings(self, out: Output) -> dict:
+        """Serial serving: queueing is part of the latency a client sees."""
+        stats = out.stats
+        timings = {"queue_seconds": round(self.job.queue_seconds, 6),
+                   "total_seconds": round(time.perf_counter() - self.received_at, 6)}
+        if stats is not None:
+            timings.update(prompt_seconds=round(stats.prompt_seconds, 6),
+                           generation_seconds=round(stats.generation_seconds, 6),
+                           steps_per_block=list(stats.steps_per_block), forwards=stats.forwards,
+                           early_stops=stats.early_stops)
+            if stats.image_tokens:  # the vision encoder, apart from the text prefill
+                timings.update(vision_seconds=round(stats.vision_seconds, 6), image_tokens=stats.image_tokens)
+        return timings
+
+    def _head(self) -> dict:
+        obj = "chat.completion" if self.req.kind == "chat" else "text_completion"
+        if self.req.stream:
+            obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.server.model_id}
+
+    async def _send_json(self, send, status: int, body: dict) -> None:
+        await JSONResponse(body, status_code=status)(self.scope, None, send)
+
+    async def _complete(self, send) -> None:
+        out = Output(self.req.stop)
+        try:
+            async for event in _events(self.job):
+                out.add(event)
+                if out.finish_reason is not None:
+                    break
+        except Exception as exc:
+            await self._send_json(send, *_error_body(exc))
+            return
+        finish = out.finish_reason or "stop"
+        text = "".join(out.text)
+        logprobs = self._logprobs(out.logprobs if self.req.logprobs is not None else None)
+        if self.req.kind == "chat":  # reasoning is left out of non-streaming answers
+            message = {"role": "assistant", "content": text}
+            if out.tool_calls:
+                message = {"role": "assistant", "content": text or None,
+                           "tool_calls": [c.to_openai() for c in out.tool_calls]}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        body = {**self._head(), "choices": [choice], "usage": self._usage(out),
+                "timings": self._timings(out)}
+        await self._send_json(send, 200, body)
+
+    def _logprobs(self, records: Optional[list], offset: int = 0) -> Optional[dict]:
+        return logprobs_body(self.req.kind, records, self.server.loaded.tokenizer, offset)
+
+    def _chunk(self, reasoning: str = "", text: str = "", finish: Optional[str] = None,
+               role: bool = False, logprobs: Optional[dict] = None, tool_calls: Optional[list] = None) -> dict:
+        if self.req.kind == "chat":
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+                delta["content"] = ""
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head(), "choices": [choice]}
+
+    async def _stream(self, send) -> None:
+        out = Output(self.req.stop)
+        events = _events(self.job)
+        # Hold the status line until the worker answers: a request the runtime
+        # refuses before generating still gets a proper 4xx.
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:
+            await self._send_json(send, *_error_body(exc))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        if self.req.kind == "chat":
+            await body(_sse(self._chunk(role=True)))
+
+        async def emit(event: GenerationEvent) -> None:
+            before = len(out.tool_calls)
+            reasoning, text = out.add(event)
+            if reasoning and self.req.kind == "chat":
+                await body(_sse(self._chunk(reasoning=reasoning)))
+            if text:
+                records = out.delta_logprobs if self.req.logprobs is not None else None
+                await body(_sse(self._chunk(text=text, logprobs=self._logprobs(records))))
+            calls = [c.to_openai(before + i) for i, c in enumerate(out.tool_calls[before:])]
+            if calls and self.req.kind == "chat":
+                await body(_sse(self._chunk(tool_calls=calls)))
+
+        try:
+            if first is not None:
+                await emit(first)
+            if out.finish_reason is None:
+                async for event in events:
+                    await emit(event)
+                    if out.finish_reason is not None:
+                        break
+        except Exception as exc:
+            await body(_sse(_error_body(exc)[1]))
+        else:
+            await body(_sse(self._chunk(finish=out.finish_reason or "stop")))
+            if self.req.include_usage:
+                usage = {**self._head(), "choices": [], "usage": self._usage(out),
+                         "timings": self._timings(out)}
+                await body(_sse(usage))
+        await body(_sse("[DONE]"))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Server:
+    """State shared by the routes: the model, its defaults and the worker."""
+
+    def __init__(self, loaded, defaults: dict, runtime, queue_size: int, model_id: str,
+                 max_body_bytes: Optional[int], images: ImageLimits, max_batch: int = 1):
+        self.loaded = loaded
+        self.runtime = runtime
+        defaults = dict(defaults or {})
+        self.enable_thinking = bool(defaults.pop("enable_thinking", False))
+        self.defaults = {k: v for k, v in defaults.items() if v is not None}
+        self.model_id = model_id
+        why, self.image_problem = image_support(loaded)
+        self.images = images
+        self.caps = ModelCaps(family=loaded.family.title, text_only=bool(why), why_text_only=why,
+                              max_images=images.max_images)
+        if max_body_bytes is None:
+            max_body_bytes = DEFAULT_MAX_BODY_BYTES if why else DEFAULT_IMAGE_BODY_BYTES
+        self.max_body_bytes = max_body_bytes
+        self.context = loaded.args.max_position_embeddings
+        # Request threads tokenize one at a time (a fast tokenizer mutated from two
+        # threads at once raises "Already borrowed").
+        self.tokenizer_lock = threading.Lock()
+        # Requests decode their images one at a time: what decoded images hold
+        # at once stays under max_images x max_pixels.
+        self.image_lock = threading.Lock()
+        from .. import api
+
+        # A runtime of the caller's own (tests), or a family without batching, runs each request alone.
+        if max_batch > 1 and runtime is api and loaded.family.batch is not None:
+            from .batch_worker import BatchWorker
+
+            self.worker = BatchWorker(loaded, max_batch, self.defaults.get("memory_budget"),
+                                      queue_size=queue_size, after_job=_clear_mlx_cache)
+        else:
+            self.worker = GenerationWorker(queue_size=queue_size, after_job=_clear_mlx_cache)
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit "
+                                    "(dlm-run serve --max-body-bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(413, f"request body exceeds the {limit}-byte limit "
+                                        "(dlm-run serve --max-body-bytes)")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise bad("the request body is empty; send a JSON object")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise bad(f"malformed JSON body: {exc}") from None
+
+    def encode(self, req: ParsedRequest) -> PromptInputs:
+        """The request's prompt: token ids and, for a chat with images, the images
+        decoded here (a request thread, never the generation worker) and
+        preprocessed by the model family."""
+        thinking = self.enable_thinking if req.enable_thinking is None else req.enable_thinking
+        if req.images:
+            with self.image_lock:
+                pictures = self.open_images(req)
+                with self.tokenizer_lock:
+                    return self.runtime.encode_inputs(self.loaded, messages=req.messages, images=pictures,
+                                                      chat_template=True, enable_thinking=thinking,
+                                                      tools=req.tools)
+        with self.tokenizer_lock:
+            if req.kind == "chat":
+                return PromptInputs(list(self.runtime.encode_prompt(
+                    self.loaded, messages=req.messages, chat_template=True, enable_thinking=thinking,
+                    tools=req.tools)))
+            return PromptInputs(list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt,
+                                                                chat_template=False)))
+
+    def open_images(self, req: ParsedRequest) -> list:
+        limits, out = self.images, []
+        for where, url in req.images:
+            try:
+                out.append(open_url(url, where, max_pixels=limits.max_pixels, fetch=limits.fetch))
+            except ImageError as exc:
+                raise bad(str(exc), where) from None
+        return out
+
+    def check_structured(self, req: ParsedRequest) -> None:
+        from ..structured import StructuredError, build_constraint
+
+        try:
+            fmt = req.response_format or self.runtime.tool_format(self.loaded, req.tools)
+            with self.tokenizer_lock:
+                build_constraint(fmt, self.loaded.tokenizer, self.loaded.args.vocab_size,
+                                 self.loaded.args.eos_token_ids)
+        except StructuredError as exc:
+            raise bad(str(exc), exc.param) from None
+
+    def check_request_options(self, requested: dict, options: dict):
+        """The family's settings for ``options``, or a 400 naming the request
+        fields it refuses (its message speaks of options or CLI flags; the
+        client needs its own field names)."""
+        try:
+            return check_options(self.loaded, options)
+        except DlmError as exc:
+            fields = []
+            for name, value in requested.items():
+                try:
+                    check_options(self.loaded, {name: value})
+                except DlmError:
+                    fields.append(FIELD_OF.get(name, name))
+            if not fields:
+                raise bad(str(exc)) from None
+            names = ", ".join(repr(f) for f in fields)
+            raise bad(f"{names}: {exc}", fields[0]) from None
+
+    async def handle(self, request: Request, kind: str) -> _JobResponse:
+        received_at = time.perf_counter()
+        body = await self.read_json(request)
+        req = parse_chat(body, self.caps) if kind == "chat" else parse_completion(body, self.caps)
+        options = {**self.defaults, **req.options}
+        try:
+            inputs = await run_in_threadpool(self.encode, req)
+        except DlmError as exc:
+            raise bad(str(exc)) from None
+        prompt_ids, images = list(inputs.ids), list(inputs.images)
+        if not prompt_ids:
+            raise bad("the prompt is empty after tokenization", "messages" if kind == "chat" else "prompt")
+        settings = self.check_request_options(req.options, options)
+        max_tokens = getattr(settings, "max_tokens", None)
+        if self.context and max_tokens and len(prompt_ids) + max_tokens > self.context:
+            raise bad(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                      f"model context of {self.context} tokens", "max_tokens")
+        try:  # the prompt and the memory budget, checked before the request takes a queue slot
+            self.loaded.family.generation.Session(self.loaded, prompt_ids, settings,
+                                                    **({"images": images} if images else {}))
+        except DlmError as exc:
+            raise bad(str(exc)) from None
+        loaded, runtime = self.loaded, self.runtime
+        prompt = inputs if images else prompt_ids
+        structured = {}
+        if req.response_format is not None or (req.tools is not None and req.tools.forced):
+            # compiled now: a schema the grammar engine refuses is a 400
+            await run_in_threadpool(self.check_structured, req)
+            structured = {"response_format": req.response_format, "logprobs": req.logprobs}
+        if req.tools is not None:
+            structured["tools"] = req.tools
+
+        def run(cancel):
+            return runtime.stream_generate(loaded, prompt, options, cancel=cancel, **structured)
+
+        try:  # structured runs go alone (the batcher runs unconstrained canvases)
+            job = self.worker.submit(run, request=None if structured else (prompt, options))
+        except QueueFull as exc:
+            raise RequestError(429, str(exc), err_type="rate_limit_error") from None
+        except WorkerStopped as exc:
+            raise RequestError(503, str(exc), err_type="server_error") from None
+        return _JobResponse(self, job, req, len(prompt_ids), received_at)
+
+
+def image_support(loaded) -> tuple[str, str]:
+    """(why ``loaded`` takes no images, for clients; the detail for the server
+    log): ("", "") when it takes them. The image processor is built now, so a
+    model whose processor files or image tokens are unusable serves text and
+    says so at startup, not on its first image."""
+    from .. import api
+
+    title = loaded.family.title
+    try:
+        api.image_processor(loaded)
+    except GenerationError:
+        if loaded.family.image_processor is None:
+            return f"{title} models are text-only", ""
+        return f"this {title} model has no vision tower (a text-only conversion)", ""
+    except DlmError as exc:
+        return f"this {title} model's image processor is unusable (see the server log)", str(exc)
+    return "", ""
+
+
+def check_options(loaded, options: dict):
+    """Let the family refuse inapplicable or bad options (GenerationError naming
+    them) without generating: the server checks each request before it takes a
+    queue slot, and ``serve`` its defaults at startup."""
+    return loaded.settings(options)
+
+
+def _clear_mlx_cache() -> None:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return
+    clear = getattr(mx, "clear_cache", None)
+    if clear is not None:
+        clear()
+
+
+def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
+               queue_size: int = DEFAULT_QUEUE_SIZE, *, model_id: str | None = None,
+               max_body_bytes: int | None = None, images: ImageLimits | None = None,
+               runtime=None, max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
+    """Build the ASGI app serving ``loaded`` (a runtime ``LoadedModel``).
+
+    ``defaults``: generation options (snake_case ``dlm-run generate`` flag
+    names) used when a request does not set them; ``enable_thinking`` there
+    sets the chat default.  ``api_key``: when set, every request needs
+    ``Authorization: Bearer <key>``.  ``queue_size``: requests that may wait
+    behind the running one before new ones get 429.  ``max_body_bytes``: the
+    largest request body (default 4 MiB, 32 MiB for a model that takes images).
+    ``images``: the per-request image limits (default ``ImageLimits()``: 8
+    images of 50 megapixels, data: URLs only).  ``runtime``: the module
+    providing ``encode_prompt`` / ``encode_inputs`` / ``stream_generate``
+    (default ``dlm.runtime.api``). ``max_batch``: requests generated together
+    in shared forwards (``dlm.runtime.server.batch_worker``; each gets what it would
+    get alone); 1, or a runtime of the caller's own, runs one request at a time.
+    """
+    if runtime is None:
+        from .. import api as runtime
+    if model_id is None:
+        model_id = Path(str(getattr(loaded, "path", "model"))).name or "model"
+    server = _Server(loaded, defaults or {}, runtime, queue_size, model_id, max_body_bytes,
+                     images or ImageLimits(), max_batch)
+    app = FastAPI(title="dlm-run serve", lifespan=_lifespan(server), dependencies=[Depends(_key_check(api_key))],
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.state.worker = server.worker
+    _add_error_handlers(app)
+    _add_routes(app, server)
+    return app
+
+
+def _key_check(api_key: str | None):
+    """The dependency every request passes: with ``api_key`` set, it needs
+    ``Authorization: Bearer <key>``."""
+
+    async def check_key(request: Request) -> None:
+        if api_key is None or request.url.path == "/health":  # health probes carry no key
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 api_key.encode()):
+            raise RequestError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               err_type="authentication_error")
+
+    return check_key
+
+
+def _lifespan(server: _Server):
+    """Stops the generation worker when the app shuts down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await run_in_threadpool(server.worker.stop)
+
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's, as an OpenAI-style error body."""
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError):
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        body = RequestError(exc.status_code, str(exc.detail)).body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        body = RequestError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                            err_type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+
+def _model_card(server: _Server) -> dict:
+    return {"id": server.model_id, "object": "model", "created": int(time.time()),
+            "owned_by": "dlm"}
+
+
+def _add_routes(app: FastAPI, server: _Server) -> None:
+    """/health, the model list and the two completion endpoints."""
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_id, "worker": server.worker.status()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(server)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != server.model_id:
+            raise RequestError(404, f"model {model!r} not found; this server serves "
+                                    f"{server.model_id!r}", "model")
+        return _model_card(server)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.handle(request, "completion")
