@@ -107,14 +107,14 @@ def main(source, hf_path, output, quantize, q_bits, q_group_size, q_mode, recipe
         allow_non_finite=allow_non_finite,
         dequantize=dequantize,
     )
-    if upload_repo:
+    if upload_repo is not None:  # '' is an error, not "no upload"
         from .upload import check_repo_id
 
-        check_repo_id(upload_repo)  # before hours of conversion, not after
+        upload_repo = check_repo_id(upload_repo)  # before hours of conversion, not after
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         result = convert(opts, echo=click.echo)
-        if upload_repo:
+        if upload_repo is not None:
             from .upload import upload
 
             upload(result.output, upload_repo, private=private, echo=click.echo,

@@ -160,24 +160,58 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise OutputError(f"cannot create {out}: {out.parent} is not a directory")
 
 
-def _pid_alive(pid: int) -> bool:
+def _proc_stat(pid: int) -> Optional[tuple[str, float]]:
+    """(state, start time as a Unix time) of a process, from Linux's /proc; None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        ticks = os.sysconf("SC_CLK_TCK")
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return fields[0], boot + int(fields[19]) / ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _creator_alive(pid: int, made: float) -> bool:
+    """Whether the process that made a leftover directory (named by its ``pid``;
+    the directory last changed at ``made``) may still be running. A pid whose
+    process is gone, a zombie (killed, not yet reaped by its parent: still there
+    for ``kill(pid, 0)``), or a process started after the directory changed (the
+    pid reused) did not make it, or is no longer writing it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # someone else's process (or not a pid): leave it alone
-    return True
+    except PermissionError:
+        pass  # exists, another user's: judged by /proc below, else left alone
+    except (OverflowError, ValueError):
+        return True  # not a pid: leave it alone
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    state, started = stat
+    if state in ("Z", "X"):
+        return False
+    return started <= made + 2.0  # /proc's boot time is whole seconds
 
 
 def remove_leftovers(out: Path, echo: Callable[[str], None] = print) -> None:
     """Remove ``.OUT.dlm-partial-PID`` / ``.OUT.dlm-old-PID`` directories that a
-    killed conversion of the same output left behind (its process is gone)."""
+    killed conversion of the same output left behind (ours, and their process is
+    gone: exited, a zombie, or its pid now another process's); never one whose
+    conversion still runs."""
     if not out.parent.is_dir():
         return
     for path in sorted(out.parent.glob(f".{out.name}.dlm-*-*")):
         kind, _, pid = path.name[len(out.name) + 2:].rpartition("-")
-        if kind not in ("dlm-partial", "dlm-old") or not pid.isdigit() or _pid_alive(int(pid)):
+        if kind not in ("dlm-partial", "dlm-old") or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if info.st_uid != os.getuid() or _creator_alive(int(pid), max(info.st_mtime, info.st_ctime)):
             continue
         if path.is_symlink() or path.is_file():
             path.unlink()
@@ -359,6 +393,11 @@ def convert(opts: ConvertOptions, echo: Callable[[str], None] = print) -> Conver
         config = read_config(src.path)
         family = family_for_config(config, str(src.path / "config.json"))
         args = family.config.from_config(config, str(src.path / "config.json"))
+        if family.image_processor is None:  # a family that never has a vision tower
+            for flag, on in (("--text-only", opts.text_only), ("--quantize-vision", opts.quantize_vision)):
+                if on:
+                    raise ConfigError(f"{flag} does not apply to {family.title} checkpoints: "
+                                      f"{family.title} is text-only (it has no vision tower)")
         check_tokenizer(src.path)
         text_only = opts.text_only or not config.get("vision_config")
         with CheckpointReader(src.path) as reader:

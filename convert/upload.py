@@ -12,17 +12,38 @@ from typing import Callable, Optional
 
 from ..runtime.platform.errors import DlmError
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+\Z")
 
 
 class UploadError(DlmError):
     """The Hub refused or could not be reached; the local output is complete."""
 
 
-def check_repo_id(repo_id: str) -> str:
-    if not _REPO_ID.match(repo_id or ""):
-        raise UploadError(f"--upload-repo {repo_id!r} is not a Hub repo id (ORG/NAME)")
-    return repo_id
+def check_repo_id(repo_id: Optional[str]) -> str:
+    """``repo_id`` if the Hub would take it as ORG/NAME: huggingface_hub's own
+    validator (characters, no leading or trailing '-' or '.', no '--' or '..',
+    no '.git' ending, 96 characters), and exactly one '/' (the validator also
+    takes a bare NAME). Checked before any conversion work, so a typo costs
+    nothing; an empty value is an error, never a silently skipped upload."""
+    text = "" if repo_id is None else str(repo_id)
+    why = None
+    if not text.strip():
+        why = "it is empty"
+    elif not _REPO_ID.match(text) or text.count("/") != 1 or any(c.isspace() or not c.isprintable() for c in text):
+        why = "expected ORG/NAME of letters, digits, '-', '_' and '.'"
+    else:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(text)
+        except HFValidationError as exc:
+            why = str(exc).split(":")[0].strip().rstrip(".") or "refused by huggingface_hub"
+        else:
+            if "--" in text or ".." in text:  # the validator's own rule, kept if it ever drops it
+                why = "cannot have '--' or '..'"
+    if why:
+        raise UploadError(f"--upload-repo {text!r} is not a Hub repo id ({why})")
+    return text
 
 
 def upload(folder: Path, repo_id: str, files: Optional[list[str]] = None, *, private: bool = False,

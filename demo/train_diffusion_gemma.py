@@ -252,6 +252,15 @@ Held-out accuracy with transformers' `generate` and the released sampler default
 {ev.get('steps_per_canvas', float('nan')):.2f} denoising steps per canvas (cap {GENERATION['max_denoising_steps']}); the early-stop
 rule ended {ev.get('early_stop_rate', float('nan')):.1%} of {ev.get('canvases')} canvases before the cap.
 Training: {s['steps']} steps, {s['train_seconds']:.0f} s on CPU.
+
+**Text only.** The model was trained on text alone. Its checkpoint holds a vision tower only because
+transformers cannot build `DiffusionGemmaForBlockDiffusion` without one: that tower is transformers'
+untrained initialization, frozen during training, and the tokenizer has no image token. Convert it with
+`dlm-convert demo/diffusion_gemma_sort --text-only` (as `scripts/demo.sh` does): the conversion is then a
+text-generation model and `dlm-run serve` takes it without an image warning.
+
+**Single-turn.** It was trained on one prompt form, `sort <digits>`, answered in one turn: it answers a
+first `sort ...` turn, and `dlm-run chat` looks broken from the second turn on (a context it never saw).
 """
 
 

@@ -237,6 +237,9 @@ threshold {gc['threshold']}), float32, {ev.get('n')} prompts: **{ev.get('accurac
 (multi-block answers: {ev.get('multi_block_accuracy', float('nan')):.1%} of {ev.get('multi_block_n')}),
 {ev.get('tokens_per_forward', float('nan')):.2f} tokens per forward ({ev.get('forwards_per_block', float('nan')):.2f} forwards per block).
 Training: {s['steps']} steps, {s['train_seconds']:.0f} s on CPU.
+
+**Single-turn.** It was trained on one prompt form, `sort <digits>`, answered in one turn: it answers a
+first `sort ...` turn, and `dlm-run chat` looks broken from the second turn on (a context it never saw).
 """
 
 

@@ -9,8 +9,10 @@ without its backend library fails with one line on what to install
 
 from .platform import backend as _backend
 from .platform import blas as _blas
+from .platform import files as _files
 from .platform import precision as _precision
 
+_files.hold_standard_fds()  # a closed stdin's fd 0 handed to a model file makes MLX fail to read it
 _blas.use_optimized_blas()
 _precision.use_full_float32()
 _backend.require()  # MLX itself, or one line on the backend to install (Linux)

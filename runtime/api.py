@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from .platform.errors import ConfigError, GenerationError
+from .platform.errors import ConfigError, DlmError, GenerationError
 from .generation.events import GenerationEvent, GenerationStats
-from .generation.inputs import PromptInputs, split_prompt
+from .generation.inputs import PromptInputs, check_text, split_prompt
 from .loader import LoadedModel
 from .loader import load as _load
 
@@ -63,6 +63,43 @@ def load(path, *, trust_remote_code: bool = False, revision: Optional[str] = Non
     "auto" (default: float32 on the CPU backend, the stored dtype on Metal/CUDA),
     "native" or "float32" (``dlm.runtime.loader.COMPUTE_DTYPES``)."""
     return _load(path, trust_remote_code=trust_remote_code, revision=revision, compute_dtype=compute_dtype)
+
+
+def check_options(path, options: dict) -> None:
+    """Refuse, before the (slow) load, ``options`` that ``path``'s family refuses
+    (another family's option, out of range, options that contradict each other):
+    the same check ``loaded.settings`` runs, with config.json read alone. A Hub
+    repo id, or a directory without a readable config.json, is left to the load."""
+    from pathlib import Path
+
+    from .checkpoint import read_config
+    from .registry import family_for_config, resolve_options
+
+    directory = Path(str(path)).expanduser()
+    if not (directory / "config.json").is_file():
+        return
+    try:
+        config = read_config(directory)
+        family = family_for_config(config, str(directory / "config.json"))
+    except DlmError:  # the load reports a bad or unsupported config.json in full
+        return
+    resolved = resolve_options(family, dict(options or {}))
+    try:
+        context = family.config.from_config(config, str(directory / "config.json")).max_position_embeddings
+    except DlmError:
+        return
+    max_tokens = resolved.get("max_tokens")
+    if max_tokens is not None and max_tokens >= context:  # a prompt takes at least one token
+        raise GenerationError(f"--max-tokens {max_tokens} exceeds the model context of {context} tokens "
+                              f"(with a one-token prompt: at most {context - 1})")
+
+
+def option_warnings(loaded: LoadedModel, options: dict) -> list[str]:
+    """One line for each option that takes effect on this checkpoint but that
+    it was not trained for (LLaDA-2: --editing-threshold on a 2.0 checkpoint);
+    an option that cannot take effect at all is an error instead."""
+    hook = getattr(loaded.family.generation, "option_warnings", None)
+    return list(hook(loaded, dict(options or {}))) if hook is not None else []
 
 
 def encode_prompt(
@@ -109,12 +146,20 @@ def encode_inputs(
     Each image is preprocessed by the family (the model's own
     processor files) and its placeholder expanded to its soft tokens.
     ``tools``: a ToolRequest (dlm.runtime.structured.tools.parse_tools) or
-    OpenAI tool dicts, rendered by the chat template.
+    OpenAI tool dicts, rendered by the chat template. A lone surrogate in any
+    string (prompt, system, messages, tools) is a TextError naming it.
     """
     tok = loaded.tokenizer
     if tok is None:
         raise ConfigError(f"{loaded.path}: no tokenizer loaded")
+    check_text(prompt, "prompt")
+    check_text(system, "system")
+    check_text(messages, "messages")
     images = _image_sources(messages, list(images or []))
+    if messages is None and isinstance(prompt, str) and not prompt.strip() and not images:
+        # The CLI (--prompt) and the server ('prompt') share this check: an empty
+        # prompt is refused, not generated from a bare chat template or BOS.
+        raise GenerationError("the prompt is empty (--prompt / 'prompt'): give some text")
     processor = image_processor(loaded) if images else None
     if not chat_template:
         if prompt is None:
@@ -133,7 +178,8 @@ def encode_inputs(
             raise ConfigError(f"{loaded.path}: the tokenizer has no chat template (use raw text: --no-chat-template)")
         extra = {}
         if tools:
-            extra["tools"] = tools.template_tools() if hasattr(tools, "template_tools") else list(tools)
+            extra["tools"] = check_text(tools.template_tools() if hasattr(tools, "template_tools")
+                                        else list(tools), "tools")
         try:
             text = tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking, **extra
@@ -144,6 +190,8 @@ def encode_inputs(
     if processor is not None:
         processed = processor.preprocess(images)
         text = processor.expand(text, processed)
+    # Backstop: a string that reached the text some other way still fails here, not in the tokenizer.
+    check_text(text, "messages" if chat_template else "prompt", label="the rendered prompt")
     ids = list(tok.encode(text, add_special_tokens=False))
     if not chat_template:
         bos = getattr(tok, "bos_token_id", None)
@@ -210,13 +258,31 @@ def tool_format(loaded: LoadedModel, tools):
     return ResponseFormat(TOOL_CALLS, {}, where="tool_choice", lark=lark)
 
 
-def _split_tool_calls(events: Iterator[GenerationEvent], syntax) -> Iterator[GenerationEvent]:
-    """Events with the model's tool calls taken out of the text (structured.toolcalls)."""
+# The budget a forced tool call gets when the request sets no max_tokens (the
+# checkpoint's default can be far shorter than one call: the demo's is 32).
+FORCED_CALL_TOKENS = 512
+
+
+def _split_tool_calls(events: Iterator[GenerationEvent], syntax,
+                      forced_budget: Optional[int] = None) -> Iterator[GenerationEvent]:
+    """Events with the model's tool calls taken out of the text (structured.toolcalls).
+    ``forced_budget``: the max_tokens of a forced tool_choice, whose run must end
+    with complete calls: one cut short by the budget is an error, never markup
+    left in the content."""
     from .structured.toolcalls import ToolCallSplitter
 
     splitter = ToolCallSplitter(syntax)
     for event in events:
-        event.text, event.tool_calls = splitter.feed(event.text, final=event.done)
+        if forced_budget is not None and event.done and event.finish_reason == "length":
+            text, calls = splitter.feed(event.text)  # an open call stays held back
+            if splitter.buffer.startswith(syntax.open) or not splitter.calls:  # a call begun, not closed
+                raise GenerationError(
+                    f"tool_choice forces a tool call, but max_tokens ({forced_budget}) ran out before the call "
+                    "was complete; raise max_tokens")
+            rest, more = splitter.feed("", final=True)
+            event.text, event.tool_calls = text + rest, calls + more
+        else:
+            event.text, event.tool_calls = splitter.feed(event.text, final=event.done)
         if event.done and splitter.calls and event.finish_reason == "stop":
             event.finish_reason = "tool_calls"
         yield event
@@ -277,11 +343,17 @@ def stream_generate(
         if response_format is not None:
             raise GenerationError("a forced tool_choice and a response_format cannot both shape the output")
         response_format = forced
+        if (options or {}).get("max_tokens") is None:  # room for a whole call, within the context
+            room = loaded.args.max_position_embeddings - len(ids)
+            if settings.max_tokens < min(FORCED_CALL_TOKENS, room):
+                settings = loaded.settings({**(options or {}), "max_tokens": min(FORCED_CALL_TOKENS, room)})
     structured = structured_output(response_format, logprobs)
     if structured is not None:
         hooks["structured"] = structured
     events = gen.stream_generate(loaded, ids, settings, cancel, **hooks)
-    return _split_tool_calls(events, loaded.family.tool_syntax) if tools is not None else events
+    if tools is None:
+        return events
+    return _split_tool_calls(events, loaded.family.tool_syntax, settings.max_tokens if forced else None)
 
 
 def generate(

@@ -45,6 +45,9 @@ class LoadedModel:
 def load_weights(path: Path) -> dict:
     import mlx.core as mx
 
+    from .platform.files import hold_standard_fds
+
+    hold_standard_fds()  # MLX's reader takes fd 0 for "not open": never let a weight file get it
     weights: dict = {}
     for f in weight_files(path):
         try:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # dlm's main job, offline, on the bundled trained DiffusionGemma demo
 # (demo/diffusion_gemma_sort: a tiny model that sorts digits):
-#   1. convert it to 4-bit MLX (mixed recipe) with dlm-convert,
+#   1. convert it to 4-bit MLX (mixed recipe), text-only, with dlm-convert (the demo is
+#      trained on text: the vision tower in its checkpoint is transformers' untrained one),
 #   2. prove the conversion faithful to the PyTorch reference with dlm-verify --parity
 #      (built-in prompts plus the task prompts of demo/sort_prompts.txt),
 #   3. answer a task prompt with dlm-run generate.
@@ -27,9 +28,9 @@ fi
 BIN=""
 if [ -x "$ROOT/.venv/bin/dlm-convert" ]; then BIN="$ROOT/.venv/bin/"; fi
 
-echo "== dlm-convert: $SRC -> $OUT (4-bit, mixed recipe)"
+echo "== dlm-convert: $SRC -> $OUT (4-bit, mixed recipe, text-only)"
 mkdir -p "$(dirname "$OUT")"
-"${BIN}dlm-convert" "$SRC" -q --q-bits 4 -o "$OUT" --overwrite --no-progress
+"${BIN}dlm-convert" "$SRC" -q --q-bits 4 --text-only -o "$OUT" --overwrite --no-progress
 
 echo
 echo "== dlm-verify --parity $OUT (reference: $SRC)"

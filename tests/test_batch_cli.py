@@ -93,3 +93,104 @@ def test_batch_flags_need_a_prompts_file(tmp_path):
     assert r.exit_code == 2 and "--output takes effect only with --prompts-file" in r.output
     r = run(["--prompt", "x", "--max-batch", "2"], tmp_path)
     assert r.exit_code == 2 and "--max-batch takes effect only with --prompts-file" in r.output
+
+
+# -- odd text, line checks shared with the server, the output file (issue 42) ---------
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "sort \\ud800"}', "line 1: 'prompt' is not valid UTF-8 text (lone surrogate at position 5)"),
+    ('{"prompt": "sort 2", "system": "\\udfff"}', "line 1: 'system' is not valid UTF-8 text"),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null, "tool_calls": '
+     '[{"type": "function", "function": {"name": "f", "arguments": "{\\"x\\": \\"\\\\ud800\\"}"}}]}, '
+     '{"role": "user", "content": "b"}]}',
+     "line 1: 'messages[1].tool_calls[0].function.arguments.x' is not valid UTF-8 text"),
+    # The server's own checks and messages (dlm.runtime.server.requests), naming the field.
+    ('{"messages": [{"role": "robot", "content": "a"}]}', "line 1: 'messages[0].role' must be one of"),
+    ('{"prompt": "a", "system": 5}', "line 1: 'system' must be a string, got int"),
+    ('{"prompt": "a", "chat_template": "yes"}', "line 1: 'chat_template' must be true or false, got str"),
+    ('{"prompt": "a", "thinking": 1}', "line 1: 'thinking' must be true or false, got int"),
+    ('{"prompt": 5}', "line 1: 'prompt' must be a string, got int"),
+    ('{"prompt": "a", "temperature": "hot"}', "line 1: 'temperature' must be a number, got 'hot'"),
+    ('{"messages": [{"role": "user", "content": "a", "mood": "x"}]}', "unsupported field(s) in 'messages[0]'"),
+    ('{"messages": [{"role": "user", "content": ""}]}', "line 1: the prompt is empty"),
+])
+def test_bad_lines_are_refused_as_the_server_refuses_them(tmp_path, line, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(line + "\n")
+    r = run(["--prompts-file", str(prompts), "--max-tokens", "4"], tmp_path)
+    assert r.exit_code == 1 and message in r.output, r.output
+    assert "internal error" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_output_is_checked_before_the_run(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"sort 2 1"\n')
+    r = run(["--prompts-file", str(prompts), "-o", str(tmp_path / "missing" / "o.jsonl")], tmp_path)
+    assert r.exit_code == 1 and "does not exist" in r.output and "generating" not in r.output, r.output
+    r = run(["--prompts-file", str(prompts), "-o", str(tmp_path)], tmp_path)
+    assert r.exit_code == 2 and "is a directory" in r.output and "generating" not in r.output, r.output
+    link = tmp_path / "same.jsonl"
+    link.hardlink_to(prompts)
+    for output in (str(prompts), str(tmp_path / "." / "p.jsonl"), str(link)):
+        r = run(["--prompts-file", str(prompts), "-o", output], tmp_path)
+        assert r.exit_code == 1 and "is the --prompts-file" in r.output and "generating" not in r.output, r.output
+    assert prompts.read_text() == '"sort 2 1"\n'
+
+
+def test_output_goes_through_a_temporary_sibling(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"sort 2 1"\n"sort 4 3"\n')
+    out = tmp_path / "o.jsonl"
+    out.write_text("old\n")
+    r = run(["--prompts-file", str(prompts), "-o", str(out), "--max-tokens", "4", "--seed", "0"], tmp_path)
+    assert r.exit_code == 0, r.output
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl", "p.jsonl"]
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full")
+def test_a_full_device_is_a_one_line_error(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"sort 2 1"\n')
+    r = run(["--prompts-file", str(prompts), "-o", "/dev/full", "--max-tokens", "4"], tmp_path)
+    assert r.exit_code == 1 and "--output /dev/full: writing failed" in r.output, r.output
+    assert "No space left on device" in r.output and "internal error" not in r.output, r.output
+
+
+def test_a_full_disk_mid_run_keeps_what_was_written_and_says_where(tmp_path, monkeypatch):
+    import errno
+    import io
+
+    from dlm.runtime.cli import batch
+
+    class Full(io.StringIO):  # room for one result line
+        def __init__(self, path):
+            super().__init__()
+            self.path, self.lines = path, 0
+
+        def write(self, text):
+            if self.lines:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.lines += 1
+            with open(self.path, "a", encoding="utf-8") as f:
+                return f.write(text)
+
+    opened = []
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if "w" not in mode:
+            return open(path, mode, *args, **kwargs)
+        opened.append(path)
+        return Full(path)
+
+    monkeypatch.setattr(batch, "open", fake_open, raising=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"sort 2 1"\n"sort 4 3"\n')
+    out = tmp_path / "o.jsonl"
+    r = run(["--prompts-file", str(prompts), "-o", str(out), "--max-tokens", "4", "--seed", "0",
+             "--max-batch", "1"], tmp_path)
+    assert r.exit_code == 1, r.output
+    (tmp,) = opened
+    assert f"--output {out}: writing failed after 1 of 2 results (No space left on device)" in r.output, r.output
+    assert str(tmp) in r.output and "internal error" not in r.output, r.output
+    assert not out.exists() and [json.loads(line)["index"] for line in open(tmp)] == [0]

@@ -308,6 +308,36 @@ def test_leftovers_of_killed_conversions_are_removed(ckpt, tmp_path):
     assert sum("left by an interrupted conversion" in line for line in lines) == 2
 
 
+def test_leftovers_of_sigkilled_conversions_are_removed_live_ones_kept(ckpt, tmp_path):
+    """A conversion SIGKILLed by a parent that has not reaped it yet (a zombie,
+    which kill(pid, 0) still finds) left its partial directory for good; the
+    next run removes it, and never a running conversion's."""
+    import subprocess
+    import time
+
+    out = tmp_path / "out"
+    zombie = subprocess.Popen(["sleep", "30"])
+    zombie.kill()  # not waited for: a zombie until the end of this test
+    time.sleep(0.2)
+    killed = tmp_path / f".out.dlm-partial-{zombie.pid}"
+    killed.mkdir()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.1)
+        running = tmp_path / f".out.dlm-partial-{live.pid}"
+        running.mkdir()
+        (running / "model.safetensors").write_bytes(b"x" * 10)
+        lines = []
+        convert(ConvertOptions(source=str(ckpt), output=str(out), progress=False), echo=lines.append)
+        assert not killed.exists(), "a SIGKILLed (unreaped) conversion's partial output was kept"
+        assert running.exists(), "a running conversion's partial output was removed"
+        assert sum("left by an interrupted conversion" in line for line in lines) >= 1
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+
+
 def test_overwrite_through_a_symlinked_output_keeps_the_link(ckpt, tmp_path):
     real = tmp_path / "models" / "tiny"
     convert(ConvertOptions(source=str(ckpt), output=str(real), progress=False), echo=lambda s: None)
@@ -319,3 +349,20 @@ def test_overwrite_through_a_symlinked_output_keeps_the_link(ckpt, tmp_path):
     assert "quantization" in json.loads((real / "config.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir() if ".dlm-" in p.name) == []
     assert sorted(p.name for p in real.parent.iterdir() if ".dlm-" in p.name) == []
+
+
+@pytest.mark.parametrize("repo_id", ["", " ", "a/..", "org/na--me", "org/name\n", "org/na\tme", "name",
+                                     "a/b/c", "org/name.git", "org/-name", "o/" + "n" * 100])
+def test_a_bad_upload_repo_is_refused_before_any_conversion(ckpt, tmp_path, repo_id):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, [str(ckpt), "-o", str(out), "--no-progress", "--upload-repo", repo_id])
+    assert r.exit_code == 1, r.output
+    assert "is not a Hub repo id" in r.output
+    assert not out.exists() and leftovers(tmp_path, out) == []
+
+
+def test_good_upload_repo_ids_pass_the_check():
+    from dlm.convert.upload import check_repo_id
+
+    for repo_id in ("me/tiny-4bit", "Org_1/Name.v2", "a/b"):
+        assert check_repo_id(repo_id) == repo_id

@@ -50,9 +50,9 @@ def test_a_block_longer_than_the_context_is_refused(tiny_llada2_mlx_dir):
 
 def test_a_generation_over_the_memory_budget_is_refused(model):
     family, path = model
-    r = run(["--model", str(path), "--prompt", "hi", "--max-tokens", "1000000000", *FAST[family],
+    r = run(["--model", str(path), "--prompt", "hi", "--max-tokens", "1000", *FAST[family],
              "--memory-budget", "0.0001"])
-    one_line_error(r, "over the memory budget of 0.00 GB (--memory-budget)")
+    one_line_error(r, "over the memory budget of 100.00 kB (--memory-budget)")
 
 
 def test_the_default_budget_is_a_fraction_of_this_machine():
@@ -68,13 +68,16 @@ def test_an_oversized_prompt_is_refused_by_both_families(model):
         list(api.stream_generate(loaded, [5] * ctx, {"max_tokens": 4}))
 
 
-def test_max_tokens_beyond_the_context_runs_within_it(model):
+def test_max_tokens_beyond_the_context_is_refused_as_the_server_does(model):
+    """One rule for the CLI, the API and the server: a budget the context cannot
+    hold is an error naming --max-tokens, not cut silently (issue 42)."""
     family, path = model
     loaded = api.load(path)
     ctx = loaded.args.max_position_embeddings
-    opts = {**DEFAULTS[family], "max_tokens": 10**9}
     prompt = [5] * (ctx - 3)  # room for 3 tokens
-    events = list(api.stream_generate(loaded, prompt, opts))
+    with pytest.raises(GenerationError, match=f"--max-tokens {10**9}: .* to at most 3$"):
+        list(api.stream_generate(loaded, prompt, {**DEFAULTS[family], "max_tokens": 10**9}))
+    events = list(api.stream_generate(loaded, prompt, {**DEFAULTS[family], "max_tokens": 3}))
     assert sum(len(e.token_ids) for e in events) <= 3
 
 
@@ -166,3 +169,23 @@ def test_the_servers_memory_budget_refuses_before_queueing(model, serving):
         r = client.post(f"{base}/v1/chat/completions", json={"messages": MSGS})
         assert r.status_code == 400 and "memory budget" in r.json()["error"]["message"], r.text
         assert client.get(f"{base}/health").json()["status"] == "ok"
+
+
+def test_generate_and_chat_work_with_stdin_closed(tiny_dg_mlx_dir):
+    """With fd 0 closed (``0<&-``, a supervisor's doing) the next file opened gets
+    fd 0, and MLX's safetensors reader takes fd 0 for "not open": generation
+    failed with "cannot read safetensors"."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "dlm-run")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base = ["--model", str(tiny_dg_mlx_dir), "--max-tokens", "4", "--max-denoising-steps", "2"]
+    for args in (["generate", *base, "--prompt", "hi"], ["chat", *base]):
+        r = subprocess.run([exe, *args], preexec_fn=lambda: os.close(0), capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert "cannot read safetensors" not in r.stderr, r.stderr
+        # generate answers; chat reads an empty stdin (EOF): no turns, a clean end
+        assert r.returncode == 0 and "error" not in r.stderr, r.stderr

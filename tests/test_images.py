@@ -278,3 +278,56 @@ def test_fetch_of_a_closed_port():
     port = sock.getsockname()[1]
     sock.close()
     refused(f"http://127.0.0.1:{port}/x.png", "failed:", fetch=RemoteImages(timeout=2))
+
+
+def _finishes(fn, fifo, seconds=10.0):
+    """fn() within ``seconds``; if it blocks (an open() of a FIFO waiting for a
+    writer), a writer unblocks it and the test fails."""
+    import threading
+
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # let the blocked open() return
+        thread.join(5)
+        pytest.fail(f"reading {fifo} blocked (a FIFO with no writer)")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def test_a_fifo_or_device_is_refused_at_once_not_read(tmp_path):
+    fifo = tmp_path / "cat.png"
+    os.mkfifo(fifo)
+    _finishes(lambda: refused(fifo, f"{fifo}: a named pipe (FIFO), not an image file"), fifo)
+    _finishes(lambda: refused(str(fifo), "a named pipe (FIFO), not an image file", where=f"--image {fifo}"), fifo)
+    refused("/dev/null", "/dev/null: a device, not an image file")
+
+
+def test_a_fifo_prompts_file_is_refused_at_once(tmp_path, tiny_dg_mlx_dir):
+    from click.testing import CliRunner
+
+    from dlm.runtime.cli.batch import read_prompts
+    from dlm.runtime.cli.main import main
+    from dlm.runtime.platform.errors import DlmError
+
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+
+    def read():
+        with pytest.raises(DlmError, match=r"--prompts-file .*prompts\.jsonl: cannot read it \(a named pipe"):
+            read_prompts(str(fifo))
+
+    _finishes(read, fifo)
+    r = _finishes(lambda: CliRunner().invoke(main, ["generate", "--model", str(tiny_dg_mlx_dir),
+                                                    "--prompts-file", str(fifo)]), fifo, 60)
+    assert r.exit_code == 1 and "a named pipe (FIFO), not a regular file" in r.output, r.output

@@ -113,3 +113,31 @@ def test_bad_structured_requests_get_a_400_naming_the_field(served, body, param)
         assert r.json()["error"]["param"] == param, r.text
         ok = h.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4})
         assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("raw,param", [
+    # A lone surrogate anywhere that reaches the chat template: a 400 naming it, never a 500 (issue 42).
+    (b'{"messages": [{"role": "user", "content": "Weather?"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f", "description": "\\ud800", "parameters": {"type": "object"}}}]}',
+     "tools[0].function.description"),
+    (b'{"messages": [{"role": "user", "content": "Weather?"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f", "parameters": {"type": "object", "properties": {"city": {"type": "string", '
+     b'"description": "\\udc00"}}}}}]}',
+     "tools[0].function.parameters.properties.city.description"),
+    (b'{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": null, '
+     b'"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", '
+     b'"arguments": "{\\"city\\": \\"\\\\ud800\\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}',
+     "messages[1].tool_calls[0].function.arguments.city"),
+    (b'{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": null, '
+     b'"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", '
+     b'"arguments": {"\\ud800": 1}}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}',
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_lone_surrogates_get_a_400_naming_the_field(served, raw, param):
+    with httpx.Client(base_url=served, timeout=60) as h:
+        r = h.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "not valid UTF-8 text" in error["message"], r.text
+        ok = h.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4})
+        assert ok.status_code == 200

@@ -120,6 +120,10 @@ def test_verify_pair_renders_with_the_divergence_marked(tmp_path):
 def test_no_page_without_a_divergence(tmp_path):
     same = _stream([1], [[5, 6], [5, 6]], [5, 6])
     family = get_family("llada2_moe")
-    assert write_divergences(tmp_path / "t", tmp_path, family, [same], [same]) == []
+    # Nothing written, and the note says so (it used to say nothing at all).
+    assert write_divergences(tmp_path / "t", tmp_path, family, [same], [same]) == [
+        f"--trace-dir {tmp_path / 't'}: no page written: the commit stream agrees with the PyTorch reference "
+        "step for step"]
     assert not (tmp_path / "t").exists()
-    assert write_divergences(tmp_path / "t", tmp_path, family, None, [same]) == []
+    assert write_divergences(tmp_path / "t", tmp_path, family, None, [same]) == [
+        f"--trace-dir {tmp_path / 't'}: no page written: no commit stream was compared with a reference"]

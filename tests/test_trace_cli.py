@@ -66,6 +66,7 @@ def test_diffusion_gemma_trace_matches_json(tiny_dg_mlx_dir, tmp_path):
         assert canvas["stop_reason"] == expected
     assert data["canvases"][-1]["ends_output"] == ("eos" if out["finish_reason"] == "stop" else "budget")
     assert data["settings"]["resolved"]["denoise"]["steps"] == 6 and data["settings"]["options"]["seed"] == 0
+    assert "sc_dtype" not in data["settings"]["resolved"]["denoise"]  # an internal, no option sets it
     # The trace is an observer: the same run without it commits the same tokens in the same steps.
     plain, _ = generate(tiny_dg_mlx_dir, DG)
     assert plain["token_ids"] == out["token_ids"] and plain["steps_per_canvas"] == out["steps_per_canvas"]
@@ -91,6 +92,11 @@ def test_llada2_trace_matches_json(tiny_llada2_mlx_dir, tmp_path):
             assert MASKED not in [int(c) for c in canvas["records"][-1]["status"][lo:hi]]
         assert canvas["length"] == 8 and start % 8 == 0
     assert data["canvases"][0]["output_from"] == 7 % 8  # the prompt's last block holds 7 prompt tokens
+    # The page's resolved options are what options set, not the loop's hooks and internal switches.
+    resolved = data["settings"]["resolved"]
+    assert resolved["steps"] == 4 and resolved["threshold"] == 0.9
+    assert not {"on_step", "uniforms", "trace", "step_trace", "kv_cache", "suppress_mask", "early_stop",
+                "stop_on_role_end"} & set(resolved)
     plain, _ = generate(tiny_llada2_mlx_dir, LLADA)
     assert plain["token_ids"] == out["token_ids"] and plain["steps_per_canvas"] == out["steps_per_canvas"]
 

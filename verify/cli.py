@@ -131,12 +131,12 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
 
     progress = _setup(torch_threads, quiet)
     try:
-        if upload_repo and not update_card:
+        if upload_repo is not None and not update_card:
             raise DlmError("--upload-repo uploads the model card: give --update-card too")
-        if upload_repo:
+        if upload_repo is not None:  # '' is an error, not "no upload"
             from dlm.convert.upload import check_repo_id
 
-            check_repo_id(upload_repo)
+            upload_repo = check_repo_id(upload_repo)
         if bundle and reference:
             raise DlmError("--bundle and --reference are exclusive (the bundle names its reference)")
         options = Options(
@@ -154,7 +154,7 @@ def main(ctx, mlx_dir, reference, bundle, report_path, update_card, upload_repo,
             from dlm.convert.card import update_card_section
 
             update_card_section(Path(mlx_dir) / "README.md", report.card_markdown())
-        if upload_repo:
+        if upload_repo is not None:
             from dlm.convert.upload import upload
 
             files = ["README.md"]

@@ -157,7 +157,7 @@ def _report(run: Parity, results: list[C.CheckResult], layers: dict) -> Report:
         modes.update(implementation=matched.meta.get("mode", "whole"),
                      implementation_reason=matched.meta.get("mode_reason", ""))
     return Report(
-        model=str(run.mlx_dir), family=run.family.name, precision=dict(run.prec.to_dict(), **_backend()),
+        model=str(run.mlx_dir), family=run.family.name, precision=dict(run.prec.to_dict(), mlx_compute_dtype=run.compute, **_backend()),
         reference=run.reference, checks=results,
         settings=dict(bundle.settings, stream_prompts=len(bundle.stream_prompts)),
         prompts=len(bundle.prompts), cases=len(bundle.cases), timings=run.timings, notes=run.notes,

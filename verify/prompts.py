@@ -59,8 +59,11 @@ class Encoder:
     def __init__(self, model_dir: str | Path, trust_remote_code: bool = False):
         from transformers import AutoTokenizer
 
+        from .noise import expected_config_messages
+
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+            with expected_config_messages():  # a model type transformers does not know (llada2_moe)
+                self.tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         except Exception as exc:
             raise ConfigError(f"{model_dir}: cannot load the tokenizer ({exc})") from None
 

@@ -144,7 +144,7 @@ class Report:
         src = ref.get("source") or ref.get("bundle") or "?"
         lines = [
             f"dlm-verify --parity {self.model}",
-            f"  family {self.family}, precision {prec.get('label')} (computes in {prec.get('compute_dtype')}); "
+            f"  family {self.family}, precision {prec.get('label')} ({self.compute_text()}); "
             f"MLX {prec.get('device', '?')} backend, float32 matmuls {prec.get('float32_matmul', '?')}; "
             f"reference {src} ({ref.get('dtype', '?')})"
             + (f", bundle {ref['bundle']}" if ref.get("bundle") and ref.get("source") else ""),
@@ -259,11 +259,22 @@ class Report:
             lines.append("")
         return lines
 
+    def compute_text(self) -> str:
+        """What MLX computed in: the stored dtype, unless the runtime upcast it
+        (half-precision weights on the CPU backend compute in float32)."""
+        prec = self.precision
+        stored = prec.get("compute_dtype")
+        ran = prec.get("mlx_compute_dtype") or stored  # reports written before dlm recorded it
+        if ran == stored:
+            return f"computes in {stored}"
+        return f"stored in {stored}, MLX computed in {ran}"
+
     def _backend_text(self) -> str:
         prec = self.precision
         if "device" not in prec:  # a report written before dlm recorded it
             return ""
-        matmuls = f", float32 matmuls {prec['float32_matmul']}" if prec.get("compute_dtype") == "float32" else ""
+        ran = prec.get("mlx_compute_dtype") or prec.get("compute_dtype")
+        matmuls = f", float32 matmuls {prec['float32_matmul']}" if ran == "float32" else ""
         return f" on MLX's {prec['device']} backend{matmuls}"
 
     # -- model card ---------------------------------------------------------
@@ -276,7 +287,7 @@ class Report:
         date = _dt.date.today().isoformat()
         lines = [
             f"**dlm-verify {'passed' if self.passed else 'FAILED'}** on {date}: this "
-            f"{self.precision.get('label')} model (computing in {self.precision.get('compute_dtype')}"
+            f"{self.precision.get('label')} model ({self.compute_text().replace('computes in', 'computing in')}"
             f"{self._backend_text()}) against "
             f"the PyTorch reference `{src}` in {ref.get('dtype', '?')}" + (f" ({vtext})" if vtext else "") + ".",
             "",

@@ -43,6 +43,7 @@ from .budget import STREAMED_BUDGET, WHOLE_BUDGET
 from .store import ArrayStore
 from . import weights as W
 from . import image_suite as I
+from .noise import loading_bars
 from .progress import tqdm as _tqdm
 from .protocol import adapter_for, check_adapter
 from .compat import check_compatible, generation_config_differences, text_config
@@ -218,8 +219,9 @@ def _record(reference: str, options: Options, mlx_dir: Optional[Path], expect_fa
     parts = S.whole_parts(S.CheckpointSource(ref_path), options.reference_dtype)
     need = sum(parts.values())
     streamed, why = S.decide(options.stream_layers, parts)
-    ref = adapter.load_reference(ref_path, dtype=options.reference_dtype,
-                                 trust_remote_code=options.trust_remote_code, stream=streamed)
+    with loading_bars(options.progress):
+        ref = adapter.load_reference(ref_path, dtype=options.reference_dtype,
+                                     trust_remote_code=options.trust_remote_code, stream=streamed)
     load_s = time.perf_counter() - t
     generation_config = getattr(ref, "generation_config", None) or {}
     window = _sliding_window(config)
@@ -314,14 +316,15 @@ def _matched_run(mlx_dir: Path, bundle: B.Bundle, family, adapter, options: Opti
     parts = S.whole_parts(source, dtype, mlx_bytes=held)
     need = sum(parts.values())
     streamed, why = S.decide(options.stream_layers, parts, held=held)
-    if streamed:
-        ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=source,
-                                     trust_remote_code=options.trust_remote_code, stream=True)
-    else:
-        weights = family.weights.to_hf(dequantized)
-        ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
-                                     trust_remote_code=options.trust_remote_code)
-        del weights
+    with loading_bars(options.progress):
+        if streamed:
+            ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=source,
+                                         trust_remote_code=options.trust_remote_code, stream=True)
+        else:
+            weights = family.weights.to_hf(dequantized)
+            ref = adapter.load_reference(mlx_dir, dtype=dtype, weights=weights,
+                                         trust_remote_code=options.trust_remote_code)
+            del weights
     load_s = time.perf_counter() - t
     images, _ = I.usable(adapter, config, bundle, options)
     run = _run_reference(adapter, ref, bundle.cases, bundle.prompts, bundle.stream_prompts,
@@ -390,7 +393,7 @@ def _run_parity(mlx_dir, options: Options) -> Report:
     start = time.perf_counter()
     mlx_dir = Path(mlx_dir).expanduser()
     if not (mlx_dir / "config.json").exists():
-        raise ConfigError(f"{mlx_dir}: not a converted model directory (no config.json)")
+        raise ConfigError(_not_a_conversion(mlx_dir))
     config = read_json(mlx_dir / "config.json", "config")
     family, adapter = _adapter(config, str(mlx_dir / "config.json"))
     run = X.Parity(mlx_dir=mlx_dir, config=config, family=family, adapter=adapter, options=options)
@@ -399,6 +402,16 @@ def _run_parity(mlx_dir, options: Options) -> Report:
     _same_weights_reference(run)
     _layer_local(run)
     return X.checks_and_report(run, start)
+
+
+def _not_a_conversion(mlx_dir: Path) -> str:
+    """Why ``--parity`` cannot take this path (it has no config.json)."""
+    text = str(mlx_dir)
+    if not mlx_dir.exists() and not text.startswith((".", "/", "~")) and text.count("/") == 1:
+        return (f"{text}: no such directory. dlm-verify --parity takes a converted MLX directory; a Hub "
+                f"checkpoint is what it converts from: dlm-convert {text} -o MLX_DIR, then "
+                "dlm-verify --parity MLX_DIR")
+    return f"{mlx_dir}: not a converted model directory (no config.json)"
 
 
 def _original_reference(run: X.Parity) -> tuple[B.Bundle, dict]:
@@ -418,6 +431,14 @@ def _original_reference(run: X.Parity) -> tuple[B.Bundle, dict]:
         if not source:
             source, recorded_rev = recorded_source(config)
             revision = revision or recorded_rev
+        if not source and not isinstance(config.get("dlm"), dict):
+            raise ConfigError(
+                f"{mlx_dir} is not a dlm-convert conversion (its config.json has no \"dlm\" block): "
+                f"dlm-verify --parity checks a converted MLX directory against the checkpoint it was converted "
+                f"from. Convert it first (dlm-convert {mlx_dir} -o MLX_DIR), then run dlm-verify --parity MLX_DIR "
+                f"(its reference defaults to {mlx_dir}); to check MLX running this checkpoint as it is, "
+                f"pass --reference {mlx_dir}"
+            )
         if not source:
             raise ConfigError(
                 f"{mlx_dir / 'config.json'} records no source (\"dlm\": {{\"source\": ...}}); "

@@ -71,10 +71,10 @@ def _tokenizer(mlx_dir: Path):
 def write_divergences(trace_dir, mlx_dir: Path, family, reference: Optional[list[CommitStream]],
                       mlx: list[CommitStream], reference_label: str = "PyTorch reference") -> list[str]:
     """One page per prompt whose commit streams diverge, in ``trace_dir``
-    (created); returns report notes naming them (none when nothing diverged
-    or no commit stream was compared)."""
+    (created); returns report notes naming them, or the one note that says
+    why no page was written (nothing diverged, or no commit stream was compared)."""
     if not reference:
-        return []
+        return [f"--trace-dir {trace_dir}: no page written: no commit stream was compared with a reference"]
     pages = []
     tokenizer, unit = None, family.generation.Session.block_name  # "canvas" | "block"
     for i, (ref, out) in enumerate(zip(reference, mlx)):
@@ -99,4 +99,8 @@ def write_divergences(trace_dir, mlx_dir: Path, family, reference: Optional[list
             raise DlmError(f"--trace-dir {folder}: {exc.strerror or exc}") from None
         path = trace_html.write(folder / f"commit-stream-prompt{i}.html", data)
         pages.append(f"commit stream of prompt {i} diverges: side-by-side trace in {path}")
+    if not pages:
+        n = min(len(reference), len(mlx))
+        which = "the commit stream agrees" if n == 1 else f"all {n} commit streams agree"
+        return [f"--trace-dir {trace_dir}: no page written: {which} with the {reference_label} step for step"]
     return pages

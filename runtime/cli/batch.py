@@ -20,13 +20,16 @@ are done), with the fields of ``dlm-run generate --json`` plus ``index`` and
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import click
 
 from ..platform.errors import DlmError, GenerationError
+from ..platform.files import open_regular
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 OTHER_FIELDS = ("system", "chat_template", "thinking", "images", "id")
@@ -52,7 +55,11 @@ def batch_options(func):
 def read_prompts(path: str) -> list[tuple[int, dict]]:
     """(line number, item) for each prompt line; a bad line is a DlmError naming it."""
     try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open_regular(path, "r", encoding="utf-8") as fp:  # a FIFO would block open() for ever
+                text = fp.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise DlmError(f"--prompts-file {path}: cannot read it ({exc})") from None
     items = []
@@ -72,10 +79,143 @@ def read_prompts(path: str) -> list[tuple[int, dict]]:
         if len(given) != 1:
             raise DlmError(f"{where}: give exactly one of {', '.join(PROMPT_FIELDS)}"
                            + (f" (got {', '.join(given)})" if given else ""))
-        items.append((number, item))
+        items.append((number, check_line(item, where)))
     if not items:
         raise DlmError(f"--prompts-file {path}: no prompts in it")
     return items
+
+
+def check_line(item: dict, where: str) -> dict:
+    """``item`` with its prompt fields checked as ``dlm-run serve`` checks the same
+    request fields (dlm.runtime.server.requests: the same checks, the same
+    messages naming the field) and its messages in the form the server gives
+    the chat template; null optional fields are dropped (the flags apply)."""
+    from ..server.requests import (ModelCaps, RequestError, bad, check_bool, check_string, parse_messages,
+                                   parse_options)
+
+    item = {k: v for k, v in item.items() if not (k in OTHER_FIELDS and k != "id" and v is None)}
+    try:
+        if "messages" in item:
+            caps = ModelCaps(family="", text_only=False, image_files=True)  # the model checks its images later
+            item["messages"] = parse_messages(item["messages"], caps, [])
+        if "prompt" in item:
+            if check_string(item["prompt"], "prompt") == "":
+                raise bad("the prompt is empty", "prompt")
+        if "system" in item:
+            check_string(item["system"], "system")
+        for key in ("chat_template", "thinking"):
+            if key in item:
+                check_bool(item[key], key)
+        if "images" in item:
+            images = item["images"]
+            if not isinstance(images, list):
+                raise bad("'images' must be a list of image file paths", "images")
+            for i, image in enumerate(images):
+                check_string(image, f"images[{i}]")
+        parse_options(item)  # those under their request names ('temperature'); the family checks the rest
+    except RequestError as exc:
+        raise DlmError(f"{where}: {exc.message}") from None
+    return item
+
+
+def check_output(output: Optional[str], prompts_file: str) -> None:
+    """--output, checked before the model loads: its folder exists, it is not a
+    folder, not the prompts file (by path or inode), and can be written."""
+    if output in (None, "-"):
+        return
+    path = Path(output)
+    folder = path.parent
+    if not folder.exists():
+        raise DlmError(f"--output {output}: its folder {folder} does not exist")
+    if not folder.is_dir():
+        raise DlmError(f"--output {output}: {folder} is not a folder")
+    if path.is_dir():
+        raise DlmError(f"--output {output}: that is a folder; give a file name")
+    if prompts_file != "-" and path.exists():
+        try:
+            same = path.resolve() == Path(prompts_file).resolve() or os.path.samefile(path, prompts_file)
+        except OSError:
+            same = False
+        if same:
+            raise DlmError(f"--output {output} is the --prompts-file: writing the results would overwrite "
+                           "the prompts; give another file")
+    regular = not path.exists() or path.is_file()
+    if (path.exists() and not os.access(path, os.W_OK)) or (regular and not os.access(folder, os.W_OK)):
+        raise DlmError(f"--output {output}: cannot write there (permission denied)")
+
+
+class Output:
+    """The results file: a temporary sibling (``.NAME.PID.part``) written as
+    results come and renamed onto --output at the end, so a failed run never
+    leaves a truncated --output; stdout for ``-``; a device or pipe
+    (``/dev/null``) written in place. A write error is a DlmError naming the
+    file and where the results written so far are."""
+
+    def __init__(self, output: Optional[str], total: int):
+        self.output, self.total, self.written, self.failed = output, total, 0, False
+        self.tmp: Optional[Path] = None
+        if output in (None, "-"):
+            self.file = sys.stdout
+            return
+        path = Path(output)
+        if path.is_symlink():  # replace the file it points to, not the link
+            path = path.resolve()
+        self.final = target = path
+        if not path.exists() or path.is_file():
+            self.tmp = target = path.with_name(f".{path.name}.{os.getpid()}.part")
+        try:
+            self.file = open(target, "w", encoding="utf-8")
+        except OSError as exc:
+            raise DlmError(f"--output {output}: cannot write {target} ({exc.strerror or exc})") from None
+
+    def write(self, line: str) -> None:
+        try:
+            self.file.write(line)
+            self.file.flush()
+        except OSError as exc:
+            self.fail(exc)
+        self.written += 1
+
+    def fail(self, exc: OSError):
+        self.failed = True
+        self._close(quiet=True)
+        where = self.tmp if self.tmp is not None else self.output
+        kept = (f"; the {self.written} result(s) written before it are in {where} (its last line may be cut)"
+                if self.written and self.tmp is not None else
+                f"; the {self.written} result(s) written before it went to {where}" if self.written else "")
+        if self.tmp is not None and not self.written:
+            self.tmp.unlink(missing_ok=True)
+        lost = self.total - self.written
+        raise DlmError(f"--output {self.output}: writing failed after {self.written} of {self.total} results "
+                       f"({exc.strerror or exc}){kept}" + (f"; the other {lost} are lost" if lost else "")) from None
+
+    def _close(self, quiet: bool = False) -> None:
+        if self.file is sys.stdout:
+            return
+        try:
+            self.file.close()
+        except OSError:
+            if not quiet:
+                raise
+
+    def finish(self) -> None:
+        """Close and rename the temporary file onto --output."""
+        try:
+            self._close()
+            if self.tmp is not None:
+                os.replace(self.tmp, self.final)
+        except OSError as exc:
+            self.fail(exc)
+
+    def abandon(self) -> None:
+        """The run failed: keep what was written (saying where), or remove the empty file."""
+        self._close(quiet=True)
+        if self.tmp is None or self.failed:
+            return
+        if self.written:
+            click.echo(f"note: the {self.written} result(s) written before the error are in {self.tmp}", err=True)
+        else:
+            self.tmp.unlink(missing_ok=True)
 
 
 def encode(api, loaded, item: dict, defaults: dict, where: str):
@@ -129,6 +269,7 @@ def check_flags(prompts_file: Optional[str], output, max_batch, single: dict) ->
     given = [flag for flag, value in single.items() if value]
     if given:
         raise click.UsageError(f"--prompts-file takes its prompts from the file; drop {', '.join(given)}")
+    check_output(output, prompts_file)  # before the model loads, not after the whole run
 
 
 def run_prompts_file(loaded, path: str, items: list[tuple[int, dict]], output: Optional[str], options: dict,
@@ -150,7 +291,7 @@ def run_prompts_file(loaded, path: str, items: list[tuple[int, dict]], output: O
             raise DlmError(f"{where}: {exc}") from None
         prompts.append(list(getattr(entry.session, "prompt_ids", None) or entry.session.prompt))
     results = [api.GenerationResult() for _ in items]
-    out = sys.stdout if output in (None, "-") else open(output, "w", encoding="utf-8")
+    out = Output(output, len(items))
     written, done, tokens, start = 0, 0, 0, time.perf_counter()
     try:
         with click.progressbar(length=len(items), label="generating", file=sys.stderr,
@@ -166,11 +307,11 @@ def run_prompts_file(loaded, path: str, items: list[tuple[int, dict]], output: O
                 while written < len(items) and results[written].finish_reason is not None:
                     out.write(json.dumps(result_record(written, items[written][1], prompts[written],
                                                        results[written])) + "\n")
-                    out.flush()
                     written += 1
-    finally:
-        if out is not sys.stdout:
-            out.close()
+        out.finish()
+    except BaseException:
+        out.abandon()
+        raise
     if profile:
         wall = time.perf_counter() - start
         click.echo(f"Batch: {len(items)} prompts, {tokens} tokens in {wall:.3f} s, "

@@ -18,6 +18,8 @@ from ..platform.errors import DlmError
 from ..registry import click_options
 
 HELP = "/reset: forget the conversation  /exit: quit"
+FIRST_TURN = ("Warm-up: included in this first turn's figures (MLX builds its kernels on first use; on a fresh "
+              "machine the CPU backend compiles them); later turns are steady")
 
 
 def _lines(tty: bool):
@@ -49,13 +51,17 @@ def chat(model_path, revision, system, thinking, profile, verbose, trust_remote_
     from .. import api
     from ..generation.progress import PrefixState
 
-    loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
-                          compute_dtype=compute_dtype)
     options = {k: v for k, v in options.items() if v is not None}
+    api.check_options(model_path, options)  # family and option errors before the (slow) load
+    loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
+                      compute_dtype=compute_dtype)
     loaded.settings(options)
+    for note in api.option_warnings(loaded, options):
+        click.echo(note, err=True)
     base = [{"role": "system", "content": check_text(system, "--system")}] if system else []
     messages, state = list(base), PrefixState()
     view = live_view(loaded) if verbose else None
+    warmed = False  # --profile: the first turn's figures include the warm-up
     tty = sys.stdin.isatty()
     if tty:
         click.echo(f"dlm-run chat: {model_path} ({HELP})", err=True)
@@ -75,20 +81,29 @@ def chat(model_path, revision, system, thinking, profile, verbose, trust_remote_
             answer, final = [], None
             hooks = {"prefix": state, **({"watch": view} if view else {})}
             for event in api.stream_generate(loaded, ids, options, **hooks):
-                if event.reasoning:
-                    click.echo(event.reasoning, nl=False, err=True)
+                if view is not None:  # held while the view redraws a terminal line
+                    view.echo(event.reasoning, err=True)
+                    view.echo(event.text)
+                else:
+                    if event.reasoning:
+                        click.echo(event.reasoning, nl=False, err=True)
+                    if event.text:
+                        click.echo(event.text, nl=False)
                 if event.text:
-                    click.echo(event.text, nl=False)
                     answer.append(event.text)
                 final = event if event.done else final
             if view is not None:
                 view.close()
         except DlmError as exc:  # a turn that fails (prompt too long, ...) leaves the chat running
             messages.pop()
+            if view is not None:
+                view.close()
             click.echo(f"error: {exc}", err=True)
             continue
         click.echo()
         messages.append({"role": "assistant", "content": "".join(answer)})
         if profile:
-            for text in profile_lines(final.stats, loaded):
+            warm = [] if warmed else [FIRST_TURN]
+            warmed = True
+            for text in warm + profile_lines(final.stats, loaded):
                 click.echo(text, err=True)

@@ -77,12 +77,11 @@ def model_options(func):
 
 
 def check_text(text: str, what: str) -> str:
-    """``text`` if it is valid Unicode (argv and JSON can carry lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise DlmError(f"{what} is not valid UTF-8 text (position {exc.start})") from None
-    return text
+    """``text`` if it is valid Unicode (argv and JSON can carry lone surrogates):
+    the check api.encode_inputs makes of every prompt string, named as a flag."""
+    from ..generation.inputs import check_text as check
+
+    return check(text, what, label=what)
 
 
 def read_stdin(what: str = "stdin") -> str:
@@ -101,13 +100,29 @@ class LiveView:
     """``--verbose``: the canvas/block after every denoising step, on stderr.
     On a terminal one line is redrawn in place (each finished canvas stays on
     its own line); elsewhere one plain line per step. Masked positions show
-    as ``_``. It is the generation loop's ``watch`` hook: nothing runs without it."""
+    as ``_``. It is the generation loop's ``watch`` hook: nothing runs without it.
+
+    Committed text and reasoning go through ``echo``: while the view redraws a
+    terminal line, text bound for a terminal too is held and written by
+    ``close`` after the step lines, so the answer reads as one string (written
+    between redraws it would land on the step line, cut into pieces)."""
 
     def __init__(self, tokenizer, block_name: str, mask_token_id=None, stream=None):
         self.tokenizer, self.block_name, self.mask = tokenizer, block_name, mask_token_id
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.index = None
+        self.held: list[tuple[str, bool]] = []  # (text, to stderr) held until close()
+
+    def echo(self, text: str, err: bool = False) -> None:
+        """Committed answer text (stdout) or reasoning (``err``: stderr)."""
+        if not text:
+            return
+        target = sys.stderr if err else sys.stdout
+        if self.tty and (target is self.stream or _isatty(target)):
+            self.held.append((text, err))
+        else:
+            click.echo(text, nl=False, err=err)
 
     def __call__(self, index: int, step: int, ids: list[int]) -> None:
         pieces = ["_" if t == self.mask else self.tokenizer.decode([t], skip_special_tokens=True) for t in ids]
@@ -123,10 +138,21 @@ class LiveView:
         self.stream.flush()
 
     def close(self) -> None:
+        """End the step display; then the held text, whole."""
         if self.tty and self.index is not None:
             self.stream.write("\n")
             self.stream.flush()
         self.index = None
+        held, self.held = self.held, []
+        for text, err in held:
+            click.echo(text, nl=False, err=err)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
 
 
 def echo_environment_notes() -> None:

@@ -56,8 +56,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--image", multiple=True, metavar="PATH",
               help="An image file (PNG, JPEG, WebP, GIF: its first frame) for a model with a vision tower; "
                    "repeat for several, placed before the prompt text in that order.")
-@click.option("--audio", multiple=True, help="Audio input (refused: not supported).")
-@click.option("--video", multiple=True, help="Video input (refused: not supported).")
+@click.option("--audio", multiple=True, hidden=True, help="Audio input (refused: not supported).")
+@click.option("--video", multiple=True, hidden=True, help="Video input (refused: not supported).")
 @click.option("--profile", is_flag=True, help="Print throughput, steps per canvas and peak memory to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--verbose", is_flag=True, help="Show every canvas/block after each denoising step on stderr.")
@@ -95,6 +95,7 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
             "--prompt": prompt, "--prompt-ids": prompt_ids, "--image": image, "--json": as_json,
             "--verbose": verbose, "--trace": trace_path, "--json-schema": json_schema_path,
             "--json-object": json_object})
+        api.check_options(model_path, options)  # family and option errors before the (slow) load
         response_format = _response_format(json_schema_path, json_object, logprobs)
         if prompts_file is not None:
             items = read_prompts(prompts_file)  # before the (slow) model load
@@ -105,6 +106,8 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
         pictures = [open_file(path, f"--image {path}") for path in image]
         trace_path = trace_html.check_path(trace_path) if trace_path else None
         loaded = load()
+        for line in api.option_warnings(loaded, options):
+            click.echo(line, err=True)
         if pictures:
             api.image_processor(loaded)  # says why a model takes no images
         if ids is None:
@@ -113,6 +116,8 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
             prompt_input = ids  # raw ids: no chat template
         view = live_view(loaded) if verbose else None
         trace = step_trace.for_run(loaded) if trace_path else None
+        if profile:
+            _warm_up(loaded, prompt_input, options)
         run = _stream(loaded, prompt_input, options, view=view, trace=trace, response_format=response_format,
                       logprobs=logprobs, echo=not as_json)
     except DlmError as exc:
@@ -120,6 +125,21 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
     _print_output(run, ids, loaded, as_json=as_json, logprobs=logprobs, profile=profile)
     if trace is not None:
         _write_trace(trace, trace_path, loaded, options, ids, run.final.stats, thinking)
+
+
+WARM_UP = {"max_tokens": 1, "max_denoising_steps": 1}
+WARM_UP_LINE = ("Warm-up: one untimed generation (1 token, 1 denoising step, the same prompt) ran first: "
+                "MLX builds its kernels on first use (on a fresh machine the CPU backend compiles them)")
+
+
+def _warm_up(loaded, prompt_input, options) -> None:
+    """--profile: one short untimed generation of the same prompt, so that the
+    timed run's figures do not include MLX building (compiling, on the CPU
+    backend) its kernels on first use."""
+    from .. import api
+
+    for _ in api.stream_generate(loaded, prompt_input, {**options, **WARM_UP}):
+        pass
 
 
 def _check_inputs(prompt, prompt_ids, image, audio, video) -> list[int] | None:
@@ -192,7 +212,10 @@ def _stream(loaded, prompt_input, options, *, view, trace, response_format, logp
     start = time.perf_counter()
     for event in events:
         run.add(event)
-        if echo:
+        if echo and view is not None:  # held while the view redraws a terminal line
+            view.echo(event.reasoning, err=True)
+            view.echo(event.text)
+        elif echo:
             if event.reasoning:
                 click.echo(event.reasoning, nl=False, err=True)
             if event.text:
@@ -212,7 +235,7 @@ def _print_output(run: _Run, ids, loaded, *, as_json: bool, logprobs, profile: b
     else:
         click.echo()
     if profile:
-        for line in profile_lines(stats, loaded):
+        for line in [WARM_UP_LINE] + profile_lines(stats, loaded):
             click.echo(line, err=True)
 
 
@@ -259,13 +282,13 @@ def _response_format(path, json_object: bool, logprobs):
         raise DlmError(f"--json-schema {path}: cannot read it: {exc}") from None
     try:
         schema = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise DlmError(f"--json-schema {path}: not JSON: {exc}") from None
-    fmt = json_schema(schema, where=f"--json-schema {path}")
-    # Compile it now: a schema the grammar engine refuses fails before the model loads.
-    from ..structured.grammar import check_grammar, compile_grammar
+    fmt = json_schema(schema, where=f"--json-schema {path}")  # within the schema limits
+    # Compile it now, within the time limit: a schema the grammar engine refuses fails before the model loads.
+    from ..structured.grammar import check_format, compile_bounded
 
-    check_grammar(compile_grammar(fmt), None, fmt.where)
+    compile_bounded(lambda: check_format(fmt), fmt.where)
     return fmt
 
 

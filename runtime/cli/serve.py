@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
 import socket
 from pathlib import Path
 import sys
@@ -107,9 +109,12 @@ def serve(model_path, revision, host, port, api_key, queue_size, max_batch, max_
                 flag = "--" + name.replace("_", "-")
                 raise click.UsageError(f"{flag} takes effect only with --allow-image-urls")
     try:
+        api.check_options(model_path, defaults)  # family and option errors before the (slow) load
         loaded = api.load(model_path, trust_remote_code=trust_remote_code, revision=revision,
                           compute_dtype=compute_dtype)
         check_options(loaded, defaults)  # refuse flags the family does not take, now
+        for note in api.option_warnings(loaded, defaults):
+            click.echo(note, err=True)
         if model_id is None and not Path(loaded.source).expanduser().is_dir():
             model_id = loaded.source  # a Hub repo id names the model better than its snapshot hash
         fetch = RemoteImages(image_url_max_bytes, image_url_timeout) if allow_image_urls else None
@@ -153,6 +158,68 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run_server(app, sock: socket.socket, log_level: str) -> None:
+    """Serve until SIGINT or SIGTERM, then stop cleanly and exit 0.
+
+    uvicorn drains the connections, the app's shutdown stops the worker; then
+    the worker thread is waited for until it has left MLX (a daemon thread
+    abandoned inside MLX's C++ code when the interpreter finalizes aborts the
+    process: "terminate called without an active exception", exit -6), and
+    uvicorn's re-raising of the signal it caught (exit 130 for SIGINT, death
+    by SIGTERM) is not passed on: a requested stop is a clean one."""
     import uvicorn
 
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                if hasattr(self, "_captured_signals"):
+                    self._captured_signals.clear()  # stopping was what the signal asked for
+
+    server = _Server(uvicorn.Config(app, log_level=log_level))
+    worker = app.state.worker
+    try:
+        server.run(sockets=[sock])
+    finally:
+        stop_worker(worker)
+    _leave_without_native_threads()
+
+
+def _leave_without_native_threads(patience: float = 5.0) -> None:
+    """The other threads that may sit in native code at exit: grammar compiles
+    (``dlm-grammar``, daemon threads a request stops waiting for after its time
+    limit). Waited for up to ``patience`` seconds; one still running then would
+    abort the interpreter's finalization as an abandoned worker would, so the
+    process leaves without it (streams flushed, exit status 0)."""
+    import threading
+    import time
+
+    deadline = time.monotonic() + patience
+    for thread in [t for t in threading.enumerate() if t.daemon and t.name.startswith("dlm-grammar")]:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            import logging
+
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(0)
+
+
+def stop_worker(worker, patience: float = 10.0) -> None:
+    """Stop the generation worker (again: the app's shutdown did already unless
+    uvicorn was forced out) and wait for its thread to end, however long its
+    last step takes; a note on stderr after ``patience`` seconds. A second
+    Ctrl-C while waiting exits at once, without finalizing the interpreter
+    (which the worker still inside MLX would turn into an abort)."""
+    try:
+        worker.stop(timeout=patience)
+        if not worker.wait_stopped(0):
+            click.echo("dlm-run serve: waiting for the running denoising step to finish "
+                       "(Ctrl-C again to quit at once)", err=True)
+            while not worker.wait_stopped(1.0):
+                pass
+    except KeyboardInterrupt:
+        sys.stderr.flush()
+        os._exit(130)

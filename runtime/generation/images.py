@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..platform.errors import GenerationError
+from ..platform.files import NotRegularFile, open_regular
 
 # 50 megapixels (150 MB as RGB): any camera photo of today fits, and it is
 # below Pillow's own decompression-bomb warning (89 MP). The vision tower sees
@@ -149,6 +150,39 @@ def open_url(url: str, where: str, *, max_pixels: Optional[int] = DEFAULT_MAX_PI
     raise ImageError(f"{where}: unsupported image URL ({shown}); send a data:image/...;base64 URL")
 
 
+def fetch_bodies(urls, fetch: Optional[RemoteImages]) -> list:
+    """The bodies of the http(s) URLs among ``urls`` ((where, url) pairs), fetched
+    at once, each in a thread of its own; None for the others (data: URLs and
+    refusals, left to ``open_url``). A server fetches these before it takes its
+    decode lock: a slow URL then costs its own request its timeout and no other
+    request anything, while decoded images still come one request at a time.
+    The first failure is raised: an ImageError naming its part, which its
+    ``where`` attribute also holds."""
+    wanted = [i for i, (_, url) in enumerate(urls)
+              if fetch is not None and url.split(":", 1)[0].lower() in ("http", "https")]
+    bodies: list = [None] * len(urls)
+
+    def one(i: int) -> bytes:
+        where, url = urls[i]
+        try:
+            return fetch.fetch(url, where)
+        except ImageError as exc:
+            exc.where = where
+            raise
+
+    if len(wanted) <= 1:
+        for i in wanted:
+            bodies[i] = one(i)
+        return bodies
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="dlm-image-fetch") as pool:
+        futures = {i: pool.submit(one, i) for i in wanted}
+        for i in wanted:
+            bodies[i] = futures[i].result()
+    return bodies
+
+
 def decode_data_url(url: str, where: str) -> bytes:
     """The bytes of a ``data:image/...;base64,...`` URL (strict base64)."""
     head, comma, payload = url.partition(",")
@@ -184,7 +218,7 @@ def open_file(path, where: str, *, max_pixels: Optional[int] = DEFAULT_MAX_PIXEL
         where = f"{where}: {path}"
     path = Path(path)
     try:
-        with open(path, "rb") as fp:
+        with open_regular(path, "rb") as fp:  # a FIFO with no writer would block open() for ever
             if fp.seek(0, io.SEEK_END) == 0:
                 raise ImageError(f"{where}: an empty file, not an image")
             fp.seek(0)
@@ -193,6 +227,9 @@ def open_file(path, where: str, *, max_pixels: Optional[int] = DEFAULT_MAX_PIXEL
         raise ImageError(f"{where}: no such file") from None
     except IsADirectoryError:
         raise ImageError(f"{where}: a directory, not an image file") from None
+    except NotRegularFile as exc:
+        what = "a directory" if "directory" in exc.strerror else exc.strerror.split(",")[0]
+        raise ImageError(f"{where}: {what}, not an image file") from None
     except PermissionError:
         raise ImageError(f"{where}: cannot read the file: permission denied") from None
     except OSError as exc:

@@ -56,6 +56,9 @@ class Option:
     # (option, value, its default): this option takes effect only when that one
     # has that value; setting it otherwise is an error, not a silent no-op.
     requires: Optional[tuple[str, Any, Any]] = None
+    # another option of the family this one may not exceed when both are set
+    # (a family's Settings checks it against that option's checkpoint default)
+    at_most: Optional[str] = None
 
     @property
     def flag(self) -> str:
@@ -165,6 +168,10 @@ def resolve(own: Iterable[Option], options: dict, title: str, refused: Optional[
         if out.get(other, default) != value:
             raise GenerationError(f"{own[name].flag} takes effect only with {own[other].flag} {value} "
                                   f"(this run uses {out.get(other, default)})")
+    for name in out:
+        other = own[name].at_most
+        if other is not None and out.get(other) is not None and out[name] > out[other]:
+            raise GenerationError(f"{own[name].flag} {out[name]} exceeds {own[other].flag} {out[other]}")
     return out
 
 
@@ -210,7 +217,9 @@ def click_options(catalogue: list[tuple[str, Option]], exclude: Iterable[str] = 
         if option.name in exclude:
             continue
         names = [option.flag] + ([option.short] if option.short else [])
-        kwargs: dict[str, Any] = dict(default=None, help=help_prefix + text)
+        # An option declared only to be refused keeps its flag (refused by name,
+        # saying why) but is not listed in --help.
+        kwargs: dict[str, Any] = dict(default=None, help=help_prefix + text, hidden=bool(option.refused))
         if option.type == BOOL and option.negatable:
             names[0] = f"{option.flag}/--no-{option.flag[2:]}"
         elif option.type == BOOL:

@@ -62,8 +62,11 @@ class Session(Protocol):
     def next_block(self, remaining: int) -> Block: ...
 
 
-def check_prompt(prompt_ids: list[int], args) -> None:
-    """A prompt any family can run: not empty, ids inside the vocabulary, shorter than the context."""
+def check_prompt(prompt_ids: list[int], args, max_tokens: Optional[int] = None) -> None:
+    """A prompt any family can run: not empty, ids inside the vocabulary, shorter
+    than the context, and with room in the context for ``max_tokens`` (the CLI
+    and the server apply the same rule: a budget the context cannot hold is
+    refused, never cut silently)."""
     if not prompt_ids:
         raise GenerationError("the prompt is empty")
     bad = [t for t in prompt_ids if not 0 <= int(t) < args.vocab_size]
@@ -73,6 +76,12 @@ def check_prompt(prompt_ids: list[int], args) -> None:
         raise GenerationError(
             f"the prompt has {len(prompt_ids)} tokens; the model context is "
             f"{args.max_position_embeddings} (max_position_embeddings)"
+        )
+    if max_tokens is not None and len(prompt_ids) + max_tokens > args.max_position_embeddings:
+        raise GenerationError(
+            f"--max-tokens {max_tokens}: the prompt ({len(prompt_ids)} tokens) + max_tokens exceeds the model "
+            f"context of {args.max_position_embeddings} tokens; lower --max-tokens (max_tokens) to at most "
+            f"{args.max_position_embeddings - len(prompt_ids)}"
         )
 
 

@@ -58,6 +58,14 @@ def check_budget(need: int, budget_gb: Optional[float], what: str, hint: str) ->
         source = "--memory-budget" if budget_gb is not None else (
             f"{int(DEFAULT_FRACTION * 100)}% of this machine's memory less the model; set --memory-budget")
         raise GenerationError(
-            f"this generation needs about {need / 1e9:.2f} GB ({what}), over the memory budget of "
-            f"{budget / 1e9:.2f} GB ({source}); {hint}"
+            f"this generation needs about {size_text(need)} ({what}), over the memory budget of "
+            f"{size_text(budget)} ({source}); {hint}"
         )
+
+
+def size_text(n: float) -> str:
+    """Bytes as GB from 1 GB, as MB (or kB, bytes) below it: never "0.00 GB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} bytes"

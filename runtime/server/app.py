@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..platform.errors import DlmError, GenerationError
 from ..generation.events import GenerationEvent
-from ..generation.images import ImageError, ImageLimits, open_url
+from ..generation.images import ImageError, ImageLimits, decode, fetch_bodies, open_url
 from ..generation.inputs import PromptInputs
 from ..structured.openai import logprobs_body
 from .output import Output
@@ -269,7 +269,8 @@ class _Server:
         # threads at once raises "Already borrowed").
         self.tokenizer_lock = threading.Lock()
         # Requests decode their images one at a time: what decoded images hold
-        # at once stays under max_images x max_pixels.
+        # at once stays under max_images x max_pixels. (URLs are fetched before,
+        # outside it: a slow one delays only its own request.)
         self.image_lock = threading.Lock()
         from .. import api
 
@@ -309,8 +310,9 @@ class _Server:
         preprocessed by the model family."""
         thinking = self.enable_thinking if req.enable_thinking is None else req.enable_thinking
         if req.images:
+            bodies = self.fetch_images(req)  # outside the lock: a slow URL delays only its own request
             with self.image_lock:
-                pictures = self.open_images(req)
+                pictures = self.open_images(req, bodies)
                 with self.tokenizer_lock:
                     return self.runtime.encode_inputs(self.loaded, messages=req.messages, images=pictures,
                                                       chat_template=True, enable_thinking=thinking,
@@ -323,25 +325,85 @@ class _Server:
             return PromptInputs(list(self.runtime.encode_prompt(self.loaded, prompt=req.prompt,
                                                                 chat_template=False)))
 
-    def open_images(self, req: ParsedRequest) -> list:
+    def fetch_images(self, req: ParsedRequest) -> list:
+        """The bodies of the request's http(s) image URLs (None for the others),
+        fetched together; only their decoding waits for ``image_lock``."""
+        try:
+            return fetch_bodies(req.images, self.images.fetch)
+        except ImageError as exc:
+            raise bad(str(exc), getattr(exc, "where", None)) from None
+
+    def open_images(self, req: ParsedRequest, bodies: Optional[list] = None) -> list:
         limits, out = self.images, []
-        for where, url in req.images:
+        bodies = bodies or [None] * len(req.images)
+        for (where, url), body in zip(req.images, bodies):
             try:
-                out.append(open_url(url, where, max_pixels=limits.max_pixels, fetch=limits.fetch))
+                out.append(decode(body, where, limits.max_pixels) if body is not None
+                           else open_url(url, where, max_pixels=limits.max_pixels, fetch=limits.fetch))
             except ImageError as exc:
                 raise bad(str(exc), where) from None
         return out
 
-    def check_structured(self, req: ParsedRequest) -> None:
-        from ..structured import StructuredError, build_constraint
+    def structured_inputs(self, req: ParsedRequest):
+        """(the response format or forced tool-call format, the llguidance
+        tokenizer): the only grammar work that needs ``tokenizer_lock`` (built
+        once, then shared read-only by every compile)."""
+        from ..structured import StructuredError
+        from ..structured.grammar import ll_tokenizer
+
+        loaded = self.loaded
+        with self.tokenizer_lock:
+            fmt = req.response_format
+            if fmt is None and req.tools is not None and req.tools.forced:
+                fmt = self.runtime.tool_format(loaded, req.tools)
+            if fmt is None:
+                return None, None
+            if loaded.tokenizer is None:
+                raise StructuredError("structured output needs the model's tokenizer (none is loaded)")
+            stops = sorted(set(int(t) for t in loaded.args.eos_token_ids))
+            return fmt, ll_tokenizer(loaded.tokenizer, loaded.args.vocab_size, stops[0] if stops else 0)
+
+    async def check_structured(self, req: ParsedRequest, request: Request) -> None:
+        """Compile the request's grammars (response format, tool schemas) now:
+        a schema the engine refuses is a 400 naming the field. The compile runs
+        in a grammar thread (structured/grammar.py), outside any lock, within
+        COMPILE_SECONDS; a client that leaves stops the wait."""
+        import asyncio
+
+        from ..structured import StructuredError
+        from ..structured import grammar
+        from ..structured.grammar import check_format, start_compile, too_slow
+        from ..structured.tools import check_schemas
 
         try:
-            fmt = req.response_format or self.runtime.tool_format(self.loaded, req.tools)
-            with self.tokenizer_lock:
-                build_constraint(fmt, self.loaded.tokenizer, self.loaded.args.vocab_size,
-                                 self.loaded.args.eos_token_ids)
+            fmt, ll = await run_in_threadpool(self.structured_inputs, req)
         except StructuredError as exc:
             raise bad(str(exc), exc.param) from None
+
+        def work() -> None:
+            check_schemas(req.tools)
+            if fmt is not None:
+                check_format(fmt, ll)
+
+        future = start_compile(work)
+        waiting = asyncio.wrap_future(future)
+        deadline = time.monotonic() + grammar.COMPILE_SECONDS
+        try:
+            while not future.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    where = "response_format.json_schema.schema" if req.response_format is not None else "tools"
+                    raise bad(str(too_slow(where)), where)
+                await asyncio.wait({waiting}, timeout=min(left, 0.2))
+                if not future.done() and await request.is_disconnected():
+                    raise RequestError(499, "the client closed the request")
+            future.result()
+        except StructuredError as exc:
+            raise bad(str(exc), exc.param) from None
+        finally:
+            future.cancel()  # a compile still waiting for a slot never starts
+            if waiting.done() and not waiting.cancelled():
+                waiting.exception()  # retrieved (asyncio would log it otherwise)
 
     def check_request_options(self, requested: dict, options: dict):
         """The family's settings for ``options``, or a 400 naming the request
@@ -368,8 +430,8 @@ class _Server:
         options = {**self.defaults, **req.options}
         try:
             inputs = await run_in_threadpool(self.encode, req)
-        except DlmError as exc:
-            raise bad(str(exc)) from None
+        except DlmError as exc:  # TextError (a lone surrogate) names its field
+            raise bad(str(exc), getattr(exc, "param", None)) from None
         prompt_ids, images = list(inputs.ids), list(inputs.images)
         if not prompt_ids:
             raise bad("the prompt is empty after tokenization", "messages" if kind == "chat" else "prompt")
@@ -386,9 +448,10 @@ class _Server:
         loaded, runtime = self.loaded, self.runtime
         prompt = inputs if images else prompt_ids
         structured = {}
+        if req.response_format is not None or req.tools is not None:
+            # compiled now, off the event loop: a schema the grammar engine refuses is a 400
+            await self.check_structured(req, request)
         if req.response_format is not None or (req.tools is not None and req.tools.forced):
-            # compiled now: a schema the grammar engine refuses is a 400
-            await run_in_threadpool(self.check_structured, req)
             structured = {"response_format": req.response_format, "logprobs": req.logprobs}
         if req.tools is not None:
             structured["tools"] = req.tools
@@ -432,10 +495,14 @@ def check_options(loaded, options: dict):
 
 
 def _clear_mlx_cache() -> None:
+    """After a job (on the worker thread): its MLX work finished, then the cache freed."""
     try:
         import mlx.core as mx
+
+        from ..models.cpu.streams import synchronize_thread
     except ImportError:
         return
+    synchronize_thread()  # nothing left queued on this thread's streams (its last job, or the server stopping)
     clear = getattr(mx, "clear_cache", None)
     if clear is not None:
         clear()

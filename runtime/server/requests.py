@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..generation.images import DEFAULT_MAX_IMAGES
+from ..generation.inputs import TextError, check_text
 from ..generation.options import OptionError
 from ..registry import request_options
 from ..structured import ResponseFormat, StructuredError, parse_response_format
@@ -57,10 +58,13 @@ def _str(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise bad(f"'{name}' must be a string, got {type(value).__name__}", name)
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad(f"'{name}' is not valid UTF-8 text (lone surrogate at position {exc.start})", name) from None
-    return value
+        return check_text(value, name)  # the one check every prompt string goes through (api.encode_inputs)
+    except TextError as exc:
+        raise bad(str(exc), exc.param) from None
+
+
+# The same checks for the lines of a prompts file (dlm.runtime.cli.batch).
+check_string, check_bool = _str, _bool
 
 
 # -- field tables ------------------------------------------------------------
@@ -104,6 +108,9 @@ class ModelCaps:
     text_only: bool = True  # takes no images
     why_text_only: str = ""  # why not (shown to the client)
     max_images: int = DEFAULT_MAX_IMAGES  # per request
+    # Prompts-file lines: images are files listed beside the messages, and a
+    # {"type": "image"} part takes the next one (api.encode_inputs).
+    image_files: bool = False
 
 
 @dataclass
@@ -145,18 +152,26 @@ def _check_neutral(body: dict, table: dict) -> None:
             raise bad(f"'{name}' must be {allowed} (got {json.dumps(value)}): {why}", name)
 
 
+def parse_options(body: dict) -> dict:
+    """The generation options ``body`` sets under their request names (a request,
+    or a prompts-file line), checked: option name -> value."""
+    out = {}
+    for name, option in OPTION_FIELDS.items():
+        if body.get(name) is not None:
+            try:
+                out[option.name] = option.check(body[name], f"'{name}'")
+            except OptionError as exc:
+                raise bad(str(exc), name) from None
+    return out
+
+
 def _common(body: dict, req: ParsedRequest) -> None:
     if "model" in body and body["model"] is not None:
         _str(body["model"], "model")
     if "user" in body and body["user"] is not None:
         _str(body["user"], "user")
     _check_neutral(body, NEUTRAL_FIELDS)
-    for name, option in OPTION_FIELDS.items():
-        if body.get(name) is not None:
-            try:
-                req.options[option.name] = option.check(body[name], f"'{name}'")
-            except OptionError as exc:
-                raise bad(str(exc), name) from None
+    req.options.update(parse_options(body))
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -227,6 +242,13 @@ def _content(content: Any, where: str, role: str, caps: ModelCaps, images: list)
             if caps.text_only:
                 why = caps.why_text_only or f"this {caps.family} model is text-only"
                 raise bad(f"'{pwhere}': image input is not supported: {why}", pwhere)
+            if kind == "image" and caps.image_files:
+                if role != "user":
+                    raise bad(f"'{pwhere}': images are taken in user messages only, not in a {role} message",
+                              pwhere)
+                parts.append({"type": "image"})
+                has_image = True
+                continue
             if kind != "image_url":
                 raise bad(f"'{pwhere}': content part type {kind!r} is not supported; send "
                           '{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}', pwhere)
@@ -300,10 +322,30 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
             req.enable_thinking = _bool(kwargs["enable_thinking"],
                                         "chat_template_kwargs.enable_thinking")
 
-    messages = body.get("messages")
+    images = []
+    out = parse_messages(body.get("messages"), caps, images)
+    try:
+        req.tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except StructuredError as exc:
+        raise bad(str(exc), exc.param) from None
+    if req.tools is not None and req.tools.forced and req.response_format is not None:
+        raise bad("'tool_choice' forces a tool call, so 'response_format' cannot also shape the answer",
+                  "response_format")
+    if len(images) > caps.max_images:
+        first = images[caps.max_images][0]
+        raise bad(f"'{first}': the request has {len(images)} images; this server takes at most "
+                  f"{caps.max_images} per request (dlm-run serve --max-images)", first)
+    req.messages, req.images = out, images
+    return req
+
+
+def parse_messages(messages: Any, caps: ModelCaps, images: list) -> list[dict]:
+    """The chat messages of a request (``dlm-run serve``) or of a prompts-file line
+    (``dlm-run generate --prompts-file``), checked and put in the chat template's
+    form; each image's (part, URL) is appended to ``images``."""
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
-    out, images = [], []
+    out = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -320,21 +362,9 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
         message = {"role": ROLES[role], "content": _content(msg.get("content"), where, ROLES[role], caps, images)}
         _tool_fields(msg, message, where)
         out.append(message)
-    try:
-        req.tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
-    except StructuredError as exc:
-        raise bad(str(exc), exc.param) from None
-    if req.tools is not None and req.tools.forced and req.response_format is not None:
-        raise bad("'tool_choice' forces a tool call, so 'response_format' cannot also shape the answer",
-                  "response_format")
     if not any(m["content"] or m.get("tool_calls") for m in out):
         raise bad("the prompt is empty: every message has empty content", "messages")
-    if len(images) > caps.max_images:
-        first = images[caps.max_images][0]
-        raise bad(f"'{first}': the request has {len(images)} images; this server takes at most "
-                  f"{caps.max_images} per request (dlm-run serve --max-images)", first)
-    req.messages, req.images = out, images
-    return req
+    return out
 
 
 def _tool_fields(msg: dict, message: dict, where: str) -> None:

@@ -182,6 +182,16 @@ class GenerationWorker:
             job.post("end")
         self._thread.join(timeout)
 
+    def wait_stopped(self, timeout: Optional[float] = None) -> bool:
+        """After ``stop``: wait until the thread has ended (True), i.e. finished the
+        step it was in; never abandon it there. A daemon thread still inside MLX
+        (its C++ code, the GIL released) when the interpreter finalizes is ended
+        by pthread_exit as it takes the GIL back, and that unwinding through
+        MLX's C++ frames aborts the process ("terminate called without an active
+        exception", exit -6): the serve command waits here before it exits."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _take(self, job: Job) -> bool:
         """Called by ``submit`` under the lock: make ``job`` current at once when
         the thread is free for it (True), so a job that starts at the thread's

@@ -61,6 +61,11 @@ def json_schema(schema: dict, name: str = "schema", strict: Optional[bool] = Non
     field = f"{where}.json_schema.schema" if where == "response_format" else where
     if not isinstance(schema, dict) or isinstance(schema, bool):
         raise StructuredError(f"'{field}' must be a JSON Schema object", field)
+    from .limits import schema_problem  # before anything recurses into it (json.dumps, the engine)
+
+    problem = schema_problem(schema)
+    if problem:
+        raise StructuredError(f"'{field}' {problem}", field)
     size = len(json.dumps(schema))
     if size > MAX_SCHEMA_BYTES:
         raise StructuredError(f"'{field}' is {size} bytes; at most {MAX_SCHEMA_BYTES}", field)

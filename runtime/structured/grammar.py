@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from typing import Iterable, Optional
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -65,6 +67,30 @@ class JsonCursor:
             return STRING_CLOSERS
         closers = CONTAINER_CLOSERS.get(self.stack[-1], ()) if self.stack else ()
         return closers + VALUE_STARTS
+
+# The engine's own resource limits are its defaults, except that an error stays
+# short: no parser state or grammar dump in a message a client gets.
+MAX_ERROR_CHARS = 300
+# A grammar is compiled in a thread of its own (never the event loop, never
+# under a lock other requests need), at most COMPILE_THREADS at once; a
+# compile that outlasts COMPILE_SECONDS is refused (the schema limits,
+# limits.py, keep real ones far below it).
+COMPILE_SECONDS = 10.0
+COMPILE_THREADS = 2
+_compile_slots = threading.BoundedSemaphore(COMPILE_THREADS)
+
+
+def engine_limits():
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def short(message: str) -> str:
+    """An engine message on one line, cut to MAX_ERROR_CHARS."""
+    line = " ".join(str(message).split())
+    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS] + "..."
+
 
 _lock = threading.Lock()
 _tokenizers: dict[int, tuple[object, object]] = {}  # id(hf tokenizer) -> (it, LLTokenizer)
@@ -124,16 +150,66 @@ def compile_grammar(fmt: ResponseFormat) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(fmt.schema), overrides=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
-        raise StructuredError(f"'{fmt.where}': {exc}", fmt.where) from None
+        raise StructuredError(f"'{fmt.where}': {short(exc)}", fmt.where) from None
 
 
 def check_grammar(grammar: str, ll, where: str) -> None:
     import llguidance
 
-    message = llguidance.LLMatcher.validate_grammar(grammar, ll)
+    message = llguidance.LLMatcher.validate_grammar(grammar, ll, limits=engine_limits())
     if message:
         param = where if where != "response_format" else "response_format.json_schema.schema"
-        raise StructuredError(f"'{param}' cannot be used: {message}", param)
+        raise StructuredError(f"'{param}' cannot be used: {short(message)}", param)
+
+
+def check_format(fmt: ResponseFormat, ll=None) -> None:
+    """Compile ``fmt`` and build its matcher over ``ll`` (an llguidance
+    tokenizer; None: the grammar alone), or StructuredError naming the field."""
+    import llguidance
+
+    grammar = compile_grammar(fmt)
+    check_grammar(grammar, ll, fmt.where)
+    if ll is not None:
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0, limits=engine_limits())
+        if matcher.is_error():
+            param = fmt.where if fmt.where != "response_format" else "response_format.json_schema.schema"
+            raise StructuredError(f"'{param}' cannot be used: {short(matcher.get_error())}", param)
+
+
+def start_compile(work: Callable[[], object]) -> Future:
+    """Run ``work`` (grammar compiling) in a daemon thread of its own, at most
+    COMPILE_THREADS at once; the Future is cancelled harmlessly while it waits."""
+    future: Future = Future()
+
+    def body() -> None:
+        with _compile_slots:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(work())
+            except BaseException as exc:  # handed to the waiter
+                future.set_exception(exc)
+
+    threading.Thread(target=body, name="dlm-grammar", daemon=True).start()
+    return future
+
+
+def too_slow(where: str, seconds: Optional[float] = None) -> StructuredError:
+    seconds = COMPILE_SECONDS if seconds is None else seconds
+    return StructuredError(f"'{where}': the grammar engine took over {seconds:g} s to compile it "
+                           f"(limit {seconds:g} s); simplify the schema", where)
+
+
+def compile_bounded(work: Callable[[], object], where: str, seconds: Optional[float] = None):
+    """``work``'s result, run by start_compile, or StructuredError after ``seconds``
+    (default COMPILE_SECONDS)."""
+    seconds = COMPILE_SECONDS if seconds is None else seconds
+    future = start_compile(work)
+    try:
+        return future.result(timeout=seconds)
+    except FutureTimeout:
+        future.cancel()
+        raise too_slow(where, seconds) from None
 
 
 class Constraint:
@@ -148,9 +224,9 @@ class Constraint:
         self.closers = {k: int(t) for k, t in (closers or {}).items() if 0 <= int(t) < vocab}
         self.cursor = JsonCursor()
         self.stop_ids = frozenset(int(t) for t in stop_ids)
-        self.matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        self.matcher = llguidance.LLMatcher(ll, grammar, log_level=0, limits=engine_limits())
         if self.matcher.is_error():
-            raise StructuredError(f"'{where}' cannot be used: {self.matcher.get_error()}", where)
+            raise StructuredError(f"'{where}' cannot be used: {short(self.matcher.get_error())}", where)
         self.committed: list[int] = []
 
     @property
@@ -224,7 +300,7 @@ class Constraint:
     def consume(self, token: int) -> None:
         token = int(token)
         if not self.matcher.consume_token(token):
-            raise StructuredError(f"internal: token {token} does not fit the grammar: {self.matcher.get_error()}")
+            raise StructuredError(f"internal: token {token} does not fit the grammar: {short(self.matcher.get_error())}")
         self.committed.append(token)
         self.cursor.feed(self.ll.decode_bytes([token]))
 

@@ -24,6 +24,7 @@ from .formats import StructuredError
 from .grammar import JSON_OPTIONS
 
 GEMMA, JSON_TAGS = "gemma", "json"
+MAX_TOOLS = 128  # functions in one request (each schema is compiled: limits.py bounds one)
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
@@ -85,6 +86,8 @@ def parse_tools(tools: Any, tool_choice: Any = None, parallel: Any = None) -> Op
         return None
     if not isinstance(tools, list):
         raise _bad("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise _bad(f"'tools' declares {len(tools)} functions (limit {MAX_TOOLS})", "tools")
     functions, names = [], set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -134,11 +137,23 @@ def parse_tools(tools: Any, tool_choice: Any = None, parallel: Any = None) -> Op
 
 
 def _check_schema(schema: dict, where: str) -> None:
-    """A schema the grammar engine compiles, or StructuredError naming ``where``."""
+    """A schema within the limits (limits.py), or StructuredError naming
+    ``where``; cheap: the grammar engine compiles it later (check_schemas), off
+    a server's event loop."""
     from .formats import json_schema
-    from .grammar import check_grammar, compile_grammar
 
-    check_grammar(compile_grammar(json_schema(schema, where=where)), None, where)
+    json_schema(schema, where=where)
+
+
+def check_schemas(request: Optional[ToolRequest]) -> None:
+    """Every function's ``parameters`` compiled by the grammar engine, or
+    StructuredError naming the first it refuses (bounded by limits.py; run it
+    with grammar.compile_bounded)."""
+    from .formats import json_schema
+    from .grammar import check_format
+
+    for i, fn in enumerate(request.functions if request is not None else ()):
+        check_format(json_schema(fn.parameters, where=f"tools[{i}].function.parameters"))
 
 
 def _schema(params: dict) -> str:

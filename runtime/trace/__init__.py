@@ -202,7 +202,17 @@ def run_data(trace: Trace, loaded, options: dict, prompt_ids: list[int], profile
              **extra) -> dict:
     """The page data of a ``dlm-run generate`` run: the trace plus the run's
     settings (the options given and what they resolved to), the profile lines
-    and the prompt."""
+    and the prompt. The resolved settings leave out what no option sets: the
+    hooks the loops take from code (tests, ``--trace``, dlm-verify) and
+    internal switches."""
+    internal = {"uniforms", "on_step", "trace", "step_trace", "sc_dtype", "kv_cache", "suppress_mask",
+                "early_stop", "stop_on_role_end"}
+
+    def public(value):
+        if isinstance(value, dict):
+            return {k: public(v) for k, v in value.items() if k not in internal}
+        return value
+
     resolved = loaded.settings(dict(options))
     tok = loaded.tokenizer
     prompt = {"ids": list(prompt_ids)}
@@ -210,7 +220,7 @@ def run_data(trace: Trace, loaded, options: dict, prompt_ids: list[int], profile
         prompt["text"] = tok.decode(list(prompt_ids), skip_special_tokens=False)
     settings = {"model": loaded.source or str(loaded.path), "family": loaded.family.title,
                 "compute_dtype": loaded.compute_dtype, "options": dict(options),
-                "resolved": jsonable(resolved), **extra}
+                "resolved": public(jsonable(resolved)), **extra}
     title = f"dlm denoising trace: {Path(str(loaded.source or loaded.path)).name}"
     return trace.to_dict(tok, title=title, model=settings["model"], settings=settings, profile=list(profile),
                          prompt=prompt)

@@ -56,7 +56,7 @@ def test_prompt_from_stdin_uses_chat_template(tiny_dg_mlx_dir):
     (["--top-p", "0.5"], "--top-p does not apply to DiffusionGemma"),
     (["--image", "x.png"], "--image x.png: no such file"),
     (["--audio", "x.wav"], "audio input is not supported"),
-    (["--diffusion-max-canvas-length", "64"], "diffusion_max_canvas_length 64 exceeds"),
+    (["--diffusion-max-canvas-length", "64"], "--diffusion-max-canvas-length 64 exceeds"),
 ])
 def test_errors_are_clear(tiny_dg_mlx_dir, extra, message):
     r = run(["--model", str(tiny_dg_mlx_dir), "--prompt", "x", *extra])

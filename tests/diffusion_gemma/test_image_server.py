@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -302,3 +303,60 @@ def test_serve_image_flags(tiny_dg_vision_mlx_dir, monkeypatch):
     for flag in ("--max-images", "--max-image-pixels", "--allow-image-urls", "--image-url-max-bytes",
                  "--image-url-timeout"):
         assert flag in help_text
+
+
+class _SlowImages(BaseHTTPRequestHandler):
+    """Answers /slow.png only once ``release`` is set (or never within a fetch's timeout)."""
+
+    release = threading.Event()
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.release.wait(30)
+        try:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(PNG)))
+            self.end_headers()
+            self.wfile.write(PNG)
+        except OSError:
+            pass
+
+
+def test_slow_image_urls_are_fetched_concurrently_outside_the_decode_lock(vision, serving):
+    """Three clients naming a URL that never answers each wait their own timeout,
+    together, and a data: URL request sent meanwhile is not held behind them
+    (fetched one at a time under the decode lock, it waited 3 x the timeout)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _SlowImages.release.clear()
+    images = ThreadingHTTPServer(("127.0.0.1", 0), _SlowImages)
+    images.daemon_threads = True
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    slow = f"http://127.0.0.1:{images.server_address[1]}/slow.png"
+    timeout = 3.0
+    limits = ImageLimits(fetch=RemoteImages(timeout=timeout))
+    try:
+        app = create_app(vision, DEFAULTS, images=limits, queue_size=8)
+        with serving(app) as base, ThreadPoolExecutor(4) as pool:
+            def post(body):
+                start = time.monotonic()
+                r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+                return r, time.monotonic() - start
+
+            post(ask(image()))  # warm: the first request compiles and loads what it needs
+            slows = [pool.submit(post, ask(image(slow))) for _ in range(3)]
+            time.sleep(0.5)  # the slow fetches are under way
+            r, took = post({**ask(image()), "seed": 1})
+            assert r.status_code == 200, r.text
+            assert took < timeout - 0.5, f"a data: URL request waited {took:.1f} s behind slow URLs"
+            for future in slows:
+                r, took = future.result()
+                assert r.status_code == 400 and "timed out" in r.json()["error"]["message"], r.text
+                assert r.json()["error"]["param"] == "messages[0].content[0]"
+                assert took < 2 * timeout, f"a slow URL's request took {took:.1f} s (others' timeouts added)"
+    finally:
+        _SlowImages.release.set()
+        images.shutdown()
+        images.server_close()

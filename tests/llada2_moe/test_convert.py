@@ -178,6 +178,17 @@ def test_missing_expert_tensor_fails_cleanly(hub, tmp_path):
     assert leftovers(tmp_path, out) == []
 
 
+@pytest.mark.parametrize("flag", ["text_only", "quantize_vision"])
+def test_vision_flags_are_refused_for_a_text_only_family(hub, tmp_path, flag):
+    """--text-only / --quantize-vision cannot take effect on LLaDA-2 (no vision
+    tower ever): an error naming the flag, not a silent no-op (issue 42)."""
+    src, _ = hub
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} does not apply to LLaDA-2"):
+        run(src, out, **{flag: True})
+    assert leftovers(tmp_path, out) == []
+
+
 def test_config_without_kv_heads_fails_cleanly(hub, tmp_path):
     src, _ = hub
     bad = tmp_path / "bad"

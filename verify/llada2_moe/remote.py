@@ -31,6 +31,8 @@ from pathlib import Path
 
 from dlm.runtime.platform.errors import DlmError
 
+from ..noise import expected_config_messages
+
 
 def _mask_utils():
     import torch
@@ -159,7 +161,8 @@ def load_remote(path, torch_dtype, config: dict, stream: bool = False) -> Remote
         cls = get_class_from_dynamic_module(ref, str(path))
         if isinstance(getattr(cls, "_tied_weights_keys", None), list):  # P5
             cls._tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
-        hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
+        with expected_config_messages():  # the checkpoint's own rope_scaling key
+            hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
         if stream:
             from ..streaming import empty_parameters
 

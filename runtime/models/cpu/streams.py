@@ -50,6 +50,16 @@ def cpu_streams() -> list:
     return streams
 
 
+def synchronize_thread() -> None:
+    """Wait for all MLX work this thread queued: its default stream's and its
+    CPU streams' (made here or not at all). A thread that ends with work still
+    queued (an async_eval, a split's pieces) leaves MLX's stream threads
+    computing into a process that may be exiting."""
+    for stream in getattr(_local, "streams", None) or []:
+        mx.synchronize(stream)
+    mx.synchronize()
+
+
 def cores() -> int:
     """The CPU work's parallelism: one per core, or ``DLM_CPU_STREAMS``."""
     return settings.CPU_STREAMS.get() or (os.cpu_count() or 1)

@@ -77,8 +77,13 @@ class Settings:
         max_canvas = options.get("diffusion_max_canvas_length", canvas)
         if max_canvas > canvas:
             raise GenerationError(
-                f"diffusion_max_canvas_length {max_canvas} exceeds the checkpoint's canvas_length {canvas}"
+                f"--diffusion-max-canvas-length {max_canvas} exceeds the checkpoint's canvas_length {canvas}"
             )
+        min_canvas = options.get("diffusion_min_canvas_length", D["diffusion_min_canvas_length"])
+        if "diffusion_min_canvas_length" in options and min_canvas > max_canvas:
+            where = ("--diffusion-max-canvas-length" if "diffusion_max_canvas_length" in options
+                     else "the checkpoint's canvas_length")
+            raise GenerationError(f"--diffusion-min-canvas-length {min_canvas} exceeds {where} {max_canvas}")
         eos = g.token_ids("eos_token_id", list(args.eos_token_ids), vocab=args.vocab_size)
         debug = bool(options.get("debug_canvas", False)) or _env_debug_canvas()
 
@@ -97,7 +102,7 @@ class Settings:
         return cls(
             max_tokens=options.get("max_tokens", g.int("max_new_tokens", 0, minimum=0) or D["max_tokens"]),
             denoise=denoise,
-            min_canvas=options.get("diffusion_min_canvas_length", D["diffusion_min_canvas_length"]),
+            min_canvas=min_canvas,
             max_canvas=max_canvas,
             full_canvas=options.get("diffusion_full_canvas", False),
             seed=options.get("seed"),
@@ -123,7 +128,7 @@ class CanvasSession:
         self.model, args = loaded.model, loaded.args
         self.step_trace = step_trace  # a dlm.runtime.trace.Trace (--trace), or None
         self.prompt_ids = [int(t) for t in prompt_ids]
-        check_prompt(self.prompt_ids, args)
+        check_prompt(self.prompt_ids, args, settings.max_tokens)
         self.images = list(images or [])
         self.vision_seconds, self.image_tokens = 0.0, sum(i.soft_tokens for i in self.images)
         self.blocks = self._image_blocks(args) if self.images else None

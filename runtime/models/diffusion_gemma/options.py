@@ -14,7 +14,8 @@ OPTIONS = (
     Option("diffusion_threshold", FLOAT, "confidence-threshold sampler: reveal positions whose top-1 "
            "probability exceeds this.", 0.9, minimum=0.0, maximum=1.0,
            requires=("diffusion_sampler", S.CONFIDENCE_THRESHOLD, S.ENTROPY_BOUND)),
-    Option("diffusion_min_canvas_length", INT, "Smallest canvas.", 64, minimum=1),
+    Option("diffusion_min_canvas_length", INT, "Smallest canvas.", 64, minimum=1,
+           at_most="diffusion_max_canvas_length"),
     Option("diffusion_max_canvas_length", INT, "Largest canvas.", default_help="the checkpoint's canvas_length",
            minimum=1),
     Option("diffusion_full_canvas", BOOL, "Always use the full canvas (the reference behaviour)."),

@@ -164,6 +164,19 @@ def is_llada21(loaded) -> bool:
     return False
 
 
+def option_warnings(loaded, options: dict) -> list[str]:
+    """--editing-threshold below 1.0 on a LLaDA2.0 checkpoint: editing runs (it
+    changes answers) but 2.0 was not trained for it, so say so (one line)."""
+    value = options.get("editing_threshold")
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value >= 1.0:
+        return []
+    if is_llada21(loaded):
+        return []
+    return [f"warning: --editing-threshold {value}: this checkpoint is not LLaDA2.1; LLaDA2.0 was not trained "
+            "for token-to-token editing, so editing changes its answers, likely for the worse "
+            "(1.0 or unset: off)"]
+
+
 # ---------------------------------------------------------------------------
 # The block loop
 # ---------------------------------------------------------------------------
@@ -240,7 +253,7 @@ class BlockSession:
         self.prompt = prompt_ids
         self.P, self.bl = len(prompt_ids), s.block_length
         vocab = loaded.args.vocab_size
-        check_prompt(prompt_ids, loaded.args)
+        check_prompt(prompt_ids, loaded.args, s.max_tokens)
         if not 0 <= s.mask_token_id < vocab:
             raise GenerationError(f"mask token id {s.mask_token_id} is outside the vocabulary (size {vocab})")
         ctx = loaded.args.max_position_embeddings
