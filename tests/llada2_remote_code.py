@@ -3,8 +3,9 @@
 Written the way the 2.0 hub files are (4.x-only imports, a non-persistent rotary
 buffer that _init_weights skips, a list _tied_weights_keys), so that
 dlm-verify --trust-remote-code has to run it through its transformers-5
-compatibility shims. ``test_logit_offset`` in the config shifts its logits so a
-test can tell which reference ran.
+compatibility shims. The modeling file's ``LOGIT_OFFSET`` shifts its logits so a
+test can tell which reference ran (written into the code, not config.json: dlm
+refuses a config key it does not implement).
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ class LLaDA2MoeConfig(PretrainedConfig):
     model_type = "llada2_moe"
 
     def __init__(self, num_key_value_heads=0, head_dim=None, partial_rotary_factor=0.5,
-                 rope_theta=10000.0, test_logit_offset=0.0, **kwargs):
+                 rope_theta=10000.0, **kwargs):
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim
         self.partial_rotary_factor = partial_rotary_factor
         self.rope_theta = rope_theta
-        self.test_logit_offset = test_logit_offset
         super().__init__(**kwargs)
 '''
 _LLADA2_REMOTE_MODEL = '''
@@ -80,7 +80,7 @@ class LLaDA2MoeModelLM(PreTrainedModel):
         cos, sin = self.model.rotary_emb(position_ids.reshape(-1), h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos, sin, mask)
-        logits = self.lm_head(self.model.norm(h)).float() + self.config.test_logit_offset
+        logits = self.lm_head(self.model.norm(h)).float() + LOGIT_OFFSET
         return CausalLMOutputWithPast(logits=logits)
 '''
 
@@ -89,12 +89,12 @@ def write_llada2_remote_code(out_dir: str | Path, logit_offset: float = 0.0) -> 
     """Ship hub-style modeling code with a tiny checkpoint (auto_map in config.json)."""
     out_dir = Path(out_dir)
     (out_dir / "configuration_llada2_moe.py").write_text(_LLADA2_REMOTE_CONFIG)
-    (out_dir / "modeling_llada2_moe.py").write_text(_LLADA2_REMOTE_MODEL)
+    (out_dir / "modeling_llada2_moe.py").write_text(f"LOGIT_OFFSET = {float(logit_offset)!r}\n"
+                                                    + _LLADA2_REMOTE_MODEL)
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["auto_map"] = {
         "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
         "AutoModel": "modeling_llada2_moe.LLaDA2MoeModelLM",
         "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
     }
-    cfg["test_logit_offset"] = logit_offset
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))

@@ -10,9 +10,11 @@ naming the file and the key, never a traceback or a silent truncation.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
 
 from ..platform import settings
 from ..platform.errors import ConfigError
@@ -33,6 +35,9 @@ class BaseModelArgs:
     max_position_embeddings: int
     eos_token_ids: list[int]
     mask_token_id: Optional[int] = None  # the family's mask token, if it has one (LLaDA-2)
+    # The config.json keys the family understands, per model_type it runs: what
+    # ``from_config`` checks before it reads anything (``check_config_keys``).
+    config_keys: ClassVar[Mapping[str, "ConfigKeys"]] = {}
 
     @property
     def text_only(self) -> bool:
@@ -116,3 +121,96 @@ class ConfigReader:
                 want = f"a token id in [0, {vocab})" if vocab else "a token id >= 0"
                 raise self._bad(key, f"{want} or a list of them", value)
         return list(ids)
+
+
+# -- the config keys a family understands ---------------------------------------
+
+# Keys any config.json may carry that never change what the model computes:
+# Hugging Face metadata (what wrote the file, the remote-code hooks, the stored
+# dtype: a conversion's dtype is dlm's own choice), runtime switches of
+# transformers' forward (caches, extra outputs), dlm's provenance block and the
+# MLX quantization blocks (read by the loader, not by ``from_config``), and a
+# generation config embedded in config.json (generation defaults, not the model).
+METADATA_KEYS = frozenset({
+    "architectures", "auto_map", "transformers_version", "_name_or_path", "model_type",
+    "torch_dtype", "dtype", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "dlm", "quantization", "quantization_config", "generation_config",
+})
+
+
+@dataclass(frozen=True)
+class ConfigKeys:
+    """The keys of one config.json object that a family understands.
+
+    * ``read``: the keys ``from_config`` reads, the computation dlm implements;
+    * ``harmless``: keys that do not change what the model computes (metadata,
+      training-only settings, ids only the tokenizer uses, keys the reference
+      code ignores);
+    * ``fixed``: keys dlm implements at these values only (the released ones;
+      ``None`` only where it is listed): another value changes the computation
+      and is refused;
+    * ``nested``: keys whose object value is checked with its own ``ConfigKeys``;
+    * ``each``: when set, the object's keys are free (layer indices) and every
+      value is an object checked with ``each``.
+
+    Any other key is refused, whatever its value: dlm does not know what it does.
+    """
+
+    read: frozenset = frozenset()
+    harmless: frozenset = frozenset()
+    fixed: Mapping[str, tuple] = field(default_factory=dict)
+    nested: Mapping[str, "ConfigKeys"] = field(default_factory=dict)
+    each: Optional["ConfigKeys"] = None
+
+    def known(self, key: str) -> bool:
+        return key in self.read or key in self.harmless or key in self.fixed or key in self.nested
+
+
+def _same(value, want) -> bool:
+    """Equal with the type: ``1`` is not ``true``, ``0.0`` is not ``false``."""
+    return type(value) is type(want) and value == want
+
+
+def _config_key_problems(config: dict, keys: ConfigKeys, path: str) -> tuple[list[str], list[str]]:
+    """(unknown keys, keys with a value dlm does not implement), as dotted paths."""
+    unknown, values = [], []
+    for key, value in config.items():
+        where = f"{path}{key}"
+        if keys.each is not None:
+            if isinstance(value, dict):
+                u, v = _config_key_problems(value, keys.each, f"{where}.")
+                unknown += u
+                values += v
+            continue
+        if not keys.known(key):
+            unknown.append(where)
+        elif key in keys.fixed and not any(_same(value, w) for w in keys.fixed[key]):
+            allowed = " or ".join(json.dumps(w) for w in keys.fixed[key])
+            values.append(f"{where} is {json.dumps(value)} (dlm implements only {allowed})")
+        elif key in keys.nested and isinstance(value, dict):
+            u, v = _config_key_problems(value, keys.nested[key], f"{where}.")
+            unknown += u
+            values += v
+    return unknown, values
+
+
+def check_config_keys(config: dict, keys: ConfigKeys, where: str = "config.json") -> None:
+    """Refuse a config whose keys, at any checked level, include one ``keys`` does
+    not declare, or a fixed key at another value: such a key changes the
+    computation in a way dlm does not implement, so running the model would be
+    an approximation nobody asked for. The ConfigError names every such key with
+    its dotted path (``text_config.expert_capacity``), the unknown ones sorted."""
+    unknown, values = _config_key_problems(config, keys, "")
+    unknown.sort()
+    problems = []
+    if unknown:
+        many = len(unknown) > 1
+        problems.append(
+            f"{', '.join(unknown)} {'are settings' if many else 'is a setting'} dlm does not implement "
+            f"({'they change' if many else 'it changes'} the computation); dlm refuses "
+            f"{'them' if many else 'it'} rather than run the model approximately")
+    if values:
+        problems.append(f"{', '.join(values)}; dlm refuses {'these values' if len(values) > 1 else 'it'} "
+                        "rather than run the model approximately")
+    if problems:
+        raise ConfigError(f"{where}: {'; '.join(problems)}")

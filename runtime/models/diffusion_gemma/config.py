@@ -9,13 +9,59 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...platform.errors import ConfigError
-from ..base import BaseModelArgs, ConfigReader
+from ..base import METADATA_KEYS, BaseModelArgs, ConfigKeys, ConfigReader, check_config_keys
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+}
+
+# The keys of a DiffusionGemma config.json dlm understands: those of
+# google/diffusiongemma-26B-A4B-it's config.json and of what transformers'
+# DiffusionGemmaConfig / Gemma4VisionConfig save_pretrained writes (the
+# re-saved form's per_layer_config). Any other key, at any of these levels, is
+# refused at dlm-convert and at load.
+_ROPE = ConfigKeys(read=frozenset({"rope_type", "rope_theta", "partial_rotary_factor", "factor"}))
+_TEXT_READ = frozenset({  # what from_config reads of the text config: the computation dlm implements
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads", "layer_types",
+    "rms_norm_eps", "sliding_window", "final_logit_softcapping", "num_experts", "top_k_experts",
+    "moe_intermediate_size", "hidden_activation", "max_position_embeddings", "pad_token_id", "bos_token_id",
+    "eos_token_id", "use_bidirectional_attention",
+})
+_TEXT_NESTED = {
+    # save_pretrained's per-layer overrides: {"05": {"head_dim": 512, "num_key_value_heads": 2}, ...}
+    "per_layer_config": ConfigKeys(each=ConfigKeys(read=frozenset({"head_dim", "num_key_value_heads"}))),
+    "rope_parameters": ConfigKeys(nested={SLIDING: _ROPE, FULL: _ROPE}),
+}
+_HARMLESS = METADATA_KEYS | {"initializer_range", "attention_dropout"}  # training only
+# The text stack has no biases and shares its embedding with the head and the
+# encoder (transformers: tie_word_embeddings false "undoes all ties").
+_TEXT_FIXED = {"attention_bias": (False,), "tie_word_embeddings": (True,)}
+_TEXT = ConfigKeys(read=_TEXT_READ, harmless=_HARMLESS, fixed=_TEXT_FIXED, nested=_TEXT_NESTED)
+_VISION = ConfigKeys(  # VisionArgs.from_config (vision.py) reads these
+    read=frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "rms_norm_eps", "patch_size", "pooling_kernel_size",
+                    "position_embedding_size", "use_clipped_linears", "standardize", "hidden_activation"}),
+    # The Gemma 4 vision tower's linears never take a bias, whatever attention_bias says;
+    # max_position_embeddings only sizes transformers' RoPE cache.
+    harmless=_HARMLESS | {"attention_bias", "max_position_embeddings"},
+    nested={"rope_parameters": ConfigKeys(read=frozenset({"rope_type", "rope_theta"}))},
+)
+_TOP_READ = frozenset({"canvas_length", "image_token_id", "boi_token_id", "eoi_token_id", "eos_token_id"})
+CONFIG_KEYS = {
+    "diffusion_gemma": ConfigKeys(
+        read=_TOP_READ,
+        # Gemma 4's soft tokens per image: the image processor's (dlm reads processor_config.json).
+        harmless=_HARMLESS | {"vision_soft_tokens_per_image"},
+        fixed={"tie_word_embeddings": (True,)},
+        nested={"text_config": _TEXT, "vision_config": _VISION},
+    ),
+    # The flat form: the text config's keys and the top level's (no vision tower).
+    "diffusion_gemma_text": ConfigKeys(read=_TEXT_READ | _TOP_READ, harmless=_HARMLESS, fixed=_TEXT_FIXED,
+                                       nested=_TEXT_NESTED),
 }
 
 
@@ -52,6 +98,7 @@ class ModelArgs(BaseModelArgs):
     use_bidirectional_attention: str | None = None
     vision_config: dict | None = None
     model_type: str = "diffusion_gemma"
+    config_keys = CONFIG_KEYS
 
     @property
     def text_only(self) -> bool:
@@ -60,6 +107,7 @@ class ModelArgs(BaseModelArgs):
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
         model_type, text, top = _config_parts(config, where)
+        check_config_keys(config, cls.config_keys[model_type], where)
         r = ConfigReader(text, where, "text config")
         t = ConfigReader(top, where)
         # Keys are read in this order, so a config with several bad keys

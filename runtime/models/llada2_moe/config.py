@@ -9,10 +9,48 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...platform.errors import ConfigError
-from ..base import BaseModelArgs, ConfigReader
+from ..base import METADATA_KEYS, BaseModelArgs, ConfigKeys, ConfigReader, check_config_keys
 
 DEFAULT_EOS_ID = 156892  # <|endoftext|>; 2.0 configs carry no eos_token_id
 DEFAULT_MASK_ID = 156895
+
+# The keys of the llada2_moe config.json dlm understands: those of
+# inclusionAI/LLaDA2.0-mini's and LLaDA2.1-mini's config.json (and dlm's own
+# mask_token_id / eos_token_id). Any other key is refused at dlm-convert and at
+# load: LLaDA2.2's block routing (``expert_capacity``, ``block_size``) is one
+# until dlm implements it.
+_READ = frozenset({  # what from_config reads: the computation dlm implements
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+    "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+    "rope_theta", "partial_rotary_factor", "rope_scaling", "rms_norm_eps", "use_qk_norm", "use_qkv_bias",
+    "use_bias", "tie_word_embeddings", "hidden_act", "max_position_embeddings", "pad_token_id",
+    "eos_token_id", "mask_token_id",
+})
+_HARMLESS = METADATA_KEYS | {
+    "rotary_dim",  # informational: the hub code derives the rotary width from partial_rotary_factor
+    "attention_dropout", "embedding_dropout", "output_dropout",  # training only
+    "initializer_range", "output_router_logits",  # training only
+    # Passed to the attention function, which ignores them on the SDPA/eager paths
+    # the hub code runs (and use_sliding_window is false, below).
+    "sliding_window", "max_window_layers",
+    "bos_token_id",  # a tokenizer id; generation never starts from it
+}
+# Keys the LLaDA2.0/2.1 hub modeling code ignores (it hard-codes their released
+# value), so dlm implements that value only: another one would mean a model
+# dlm (and the hub code) does not run as its author meant.
+_FIXED = {
+    "score_function": ("sigmoid",), "norm_topk_prob": (True,), "moe_router_enable_expert_bias": (True,),
+    "router_dtype": ("fp32",), "norm_head": (False,), "norm_softmax": (False,),
+    "use_sliding_window": (False,),
+}
+_TEXT_KEYS = ConfigKeys(read=_READ, harmless=_HARMLESS, fixed=_FIXED)
+# The hub form is flat; mlx-vlm nests the same keys under text_config, and
+# writes an empty vision_config even for a text-only model (LLaDA-2 has no
+# vision tower: only the empty one is neutral).
+CONFIG_KEYS = {"llada2_moe": ConfigKeys(read=_READ, harmless=_HARMLESS,
+                                        fixed={**_FIXED, "vision_config": ({}, None)},
+                                        nested={"text_config": _TEXT_KEYS})}
 
 
 @dataclass(kw_only=True)
@@ -44,6 +82,7 @@ class ModelArgs(BaseModelArgs):
     eos_token_ids: list[int] = field(default_factory=lambda: [DEFAULT_EOS_ID])
     mask_token_id: int = DEFAULT_MASK_ID
     model_type: str = "llada2_moe"
+    config_keys = CONFIG_KEYS
 
     @property
     def rotary_dim(self) -> int:
@@ -56,6 +95,7 @@ class ModelArgs(BaseModelArgs):
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
         if config.get("model_type") != "llada2_moe":
             raise ConfigError(f"{where}: model_type {config.get('model_type')!r} is not llada2_moe")
+        check_config_keys(config, cls.config_keys["llada2_moe"], where)
         cfg = dict(config)
         if isinstance(cfg.get("text_config"), dict):  # mlx-vlm writes a nested text config
             cfg.update({k: v for k, v in cfg["text_config"].items() if k not in cfg})
