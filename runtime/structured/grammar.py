@@ -158,8 +158,13 @@ def check_grammar(grammar: str, ll, where: str) -> None:
 
     message = llguidance.LLMatcher.validate_grammar(grammar, ll, limits=engine_limits())
     if message:
-        param = where if where != "response_format" else "response_format.json_schema.schema"
+        param = _schema_param(where)
         raise StructuredError(f"'{param}' cannot be used: {short(message)}", param)
+
+
+def _schema_param(where: str) -> str:
+    """The request field a grammar error names: the schema itself for a response_format."""
+    return where if where != "response_format" else "response_format.json_schema.schema"
 
 
 def check_format(fmt: ResponseFormat, ll=None) -> None:
@@ -172,7 +177,7 @@ def check_format(fmt: ResponseFormat, ll=None) -> None:
     if ll is not None:
         matcher = llguidance.LLMatcher(ll, grammar, log_level=0, limits=engine_limits())
         if matcher.is_error():
-            param = fmt.where if fmt.where != "response_format" else "response_format.json_schema.schema"
+            param = _schema_param(fmt.where)
             raise StructuredError(f"'{param}' cannot be used: {short(matcher.get_error())}", param)
 
 
