@@ -52,6 +52,15 @@ def _bool(value: Any, name: str) -> bool:
     return value
 
 
+def _only_fields(value, name: str, allowed: str, hint: str = "") -> None:
+    """``value`` is an object whose only field is ``allowed`` (a 400 naming ``name`` otherwise)."""
+    if not isinstance(value, dict):
+        raise bad(f"'{name}' must be an object", name)
+    extra = sorted(k for k in value if k != allowed)
+    if extra:
+        raise bad(f"unsupported field(s) in '{name}': {', '.join(map(repr, extra))}{hint}", name)
+
+
 def _str(value: Any, name: str) -> str:
     """A string field; JSON can carry lone surrogates (``"\\ud800"``), which no
     tokenizer can encode: refused here, naming the field."""
@@ -187,12 +196,7 @@ def _common(body: dict, req: ParsedRequest) -> None:
         req.stream = _bool(body["stream"], "stream")
     opts = body.get("stream_options")
     if opts is not None:
-        if not isinstance(opts, dict):
-            raise bad("'stream_options' must be an object", "stream_options")
-        extra = sorted(k for k in opts if k != "include_usage")
-        if extra:
-            raise bad(f"unsupported field(s) in 'stream_options': {', '.join(map(repr, extra))}",
-                      "stream_options")
+        _only_fields(opts, "stream_options", "include_usage")
         if opts.get("include_usage") is not None:
             req.include_usage = _bool(opts["include_usage"], "stream_options.include_usage")
     try:
@@ -312,12 +316,7 @@ def parse_chat(body: Any, caps: ModelCaps) -> ParsedRequest:
             raise bad(str(exc), "max_completion_tokens") from None
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
-        if not isinstance(kwargs, dict):
-            raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        extra = sorted(k for k in kwargs if k != "enable_thinking")
-        if extra:
-            raise bad("unsupported field(s) in 'chat_template_kwargs': "
-                      f"{', '.join(map(repr, extra))} (only 'enable_thinking')", "chat_template_kwargs")
+        _only_fields(kwargs, "chat_template_kwargs", "enable_thinking", " (only 'enable_thinking')")
         if kwargs.get("enable_thinking") is not None:
             req.enable_thinking = _bool(kwargs["enable_thinking"],
                                         "chat_template_kwargs.enable_thinking")
