@@ -98,8 +98,8 @@ def option_warnings(loaded: LoadedModel, options: dict) -> list[str]:
     """One line for each option that takes effect on this checkpoint but that
     it was not trained for (LLaDA-2: --editing-threshold on a 2.0 checkpoint);
     an option that cannot take effect at all is an error instead."""
-    hook = getattr(loaded.family.generation, "option_warnings", None)
-    return list(hook(loaded, dict(options or {}))) if hook is not None else []
+    warn = loaded.family.option_warnings
+    return list(warn(loaded, dict(options or {}))) if warn is not None else []
 
 
 def encode_prompt(

@@ -31,6 +31,8 @@ class Family:
     tool_syntax: ToolSyntax  # how its models write tool calls
     reference: str  # the dlm-verify adapter module (imported by dlm.verify, never by the runtime)
     image_processor: Optional[Any] = None  # the image preprocessing class; None: text-only
+    # (loaded, options) -> warning lines for options that take effect but the checkpoint was not trained for
+    option_warnings: Optional[Callable[..., list[str]]] = None
 
     @property
     def block_name(self) -> str:

@@ -29,6 +29,7 @@ FAMILY = Family(
     refused_options=REFUSED,
     tool_syntax=TOOL_SYNTAX,
     reference="dlm.verify.llada2_moe.adapter",
+    option_warnings=generate.option_warnings,
 )
 
 __all__ = ["FAMILY", "Model", "ModelArgs", "block_causal_mask", "output_config", "plan_weights", "quant_class",
