@@ -565,6 +565,7 @@ def _card_context(out: Path, src: ResolvedSource, family: Family, config: dict, 
         "revision": src.revision,
         "commit": src.commit,
         "model_type": config.get("model_type"),
+        "config": config,  # a family's template may describe its variant (LLaDA2.2's block routing)
         "family": family.name,
         "dlm_version": dlm_version(),
         "command": command_line(opts, recipe),

@@ -203,6 +203,16 @@ LLADA2_GEOMETRIES = {
         num_experts_per_tok=1, n_group=1, topk_group=1, num_shared_experts=0,
     ),
 }
+# LLaDA2.2: block routing with a pool of 6 of the 16 experts per group of 8
+# tokens (so the pool matters for top-4), DELETE/SPLIT ids in the tiny
+# vocabulary; n_group/topk_group stay, unused, as in the released configs.
+# Kept apart from LLADA2_GEOMETRIES, which the 2.0/2.1 suites run over with
+# token counts that are not whole routing groups.
+LLADA22_GEOMETRIES = {
+    "v22": dict(
+        _LLADA2_BASE, expert_capacity=6, block_size=8, delete_token_id=246, split_token_id=247,
+    ),
+}
 
 
 def llada2_hub_config(geometry: str = "base", **overrides) -> dict:
@@ -218,7 +228,7 @@ def llada2_hub_config(geometry: str = "base", **overrides) -> dict:
         initializer_range=0.02, use_cache=False, output_router_logits=False,
         pad_token_id=LLADA2_EOS_ID, mask_token_id=LLADA2_MASK_ID, dtype="float32",
     )
-    cfg.update(LLADA2_GEOMETRIES[geometry])
+    cfg.update({**LLADA2_GEOMETRIES, **LLADA22_GEOMETRIES}[geometry])
     cfg.update(overrides)
     # Informational in the hub config (the hub code derives it from the partial factor).
     cfg.setdefault("rotary_dim", None)
@@ -262,18 +272,22 @@ def build_llada2(
     layout: str = "hub",
     shards: int = 1,
     generation_config: dict | None = None,
+    adjust: Callable | None = None,
     **overrides,
 ):
     """Write a tiny llada2_moe checkpoint; returns the float32 reference model.
 
     layout="hub": per-expert tensors (the published layout);
     layout="merged": dFactory/VeOmni stacked experts ``mlp.experts.{gate,up,down}_proj`` [E, out, in].
+    ``adjust(model)`` may edit the drawn parameters in place before they are written.
     """
     import torch
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, cfg = build_llada2_model(geometry, seed, **overrides)
+    if adjust is not None:
+        adjust(model)
     cfg["dtype"] = dtype
     state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
     if layout == "merged":
@@ -292,6 +306,40 @@ def build_llada2(
     (out_dir / "generation_config.json").write_text(json.dumps(gc, indent=2))
     build_llada2_tokenizer(cfg["vocab_size"], out_dir)
     return model
+
+
+# LLaDA2.2 Levenshtein decoding on the tiny "v22" model: the prompts (one of 19
+# tokens: two prompt-only blocks, then a partial block) and the greedy settings
+# under which the reference's trace holds DELETE and SPLIT writes.
+LLADA22_DELETE_ID, LLADA22_SPLIT_ID = 246, 247
+LLADA22_EDIT_PROMPTS = ([10, 20, 30], list(range(40, 59)), [100, 101, 102, 103, 104, 105])
+LLADA22_EDIT_SETTINGS = dict(
+    block_length=8, steps=8, threshold=0.5, editing_threshold=0.0, max_post_steps=4, suppress_mask=True,
+    gen_length=16, eos_id=[LLADA2_EOS_ID, LLADA2_ROLE_END_ID], mask_id=LLADA2_MASK_ID,
+    delete_id=LLADA22_DELETE_ID, split_id=LLADA22_SPLIT_ID,
+)
+# Scale of the DELETE and SPLIT lm_head rows: at 1 the random model never
+# predicts them; at 3 every edit prompt's trace writes both (found by trial).
+LLADA22_EDIT_ROW_SCALE = 3.0
+
+
+def _boost_edit_rows(model) -> None:
+    """Make DELETE and SPLIT the argmax at some positions: their random lm_head rows, scaled up."""
+    import torch
+
+    with torch.no_grad():
+        for tok in (LLADA22_DELETE_ID, LLADA22_SPLIT_ID):
+            model.lm_head.weight[tok] *= LLADA22_EDIT_ROW_SCALE
+
+
+def build_llada22(out_dir: str | Path, **kw):
+    """A tiny LLaDA2.2 checkpoint (geometry "v22": block routing, DELETE 246 /
+    SPLIT 247) whose greedy Levenshtein decoding of ``LLADA22_EDIT_PROMPTS``
+    under ``LLADA22_EDIT_SETTINGS`` writes DELETE and SPLIT; returns the
+    float32 reference model. End ids: eos 252 and <|role_end|> 253."""
+    kw.setdefault("generation_config", {"eos_token_id": [LLADA2_EOS_ID, LLADA2_ROLE_END_ID],
+                                        "pad_token_id": LLADA2_EOS_ID})
+    return build_llada2(out_dir, "v22", adjust=_boost_edit_rows, **kw)
 
 
 # ---------------------------------------------------------------------------
@@ -499,7 +547,7 @@ FAMILY_KITS = {
         config_forms=llada2_config_forms,
         settings_fields={"max_tokens": "max_tokens", "max_denoising_steps": "steps", "temp": "temperature",
                          "block_length": "block_length", "threshold": "threshold",
-                         "max_post_steps": "max_post_steps",
+                         "max_post_steps": "max_post_steps", "max_steps_per_block": "max_steps_per_block",
                          "skip_special_tokens": "skip_special_tokens", "prefill_step_size": "prefill_step_size"},
     ),
 }

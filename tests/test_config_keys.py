@@ -4,7 +4,8 @@ Every family declares the config.json keys it understands (``ModelArgs.config_ke
 per model_type); ``from_config`` refuses any other key, at any level it checks,
 so dlm-convert refuses the checkpoint before writing anything and the loader
 refuses an MLX conversion whose config.json carries one. LLaDA2.2's block
-routing (``expert_capacity``, ``block_size``) is the case that motivated it.
+routing (``expert_capacity``, ``block_size``) is the case that motivated it: it
+was refused until dlm implemented it, and is now accepted.
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ LLADA2_0_MINI = {
 }
 # inclusionAI/LLaDA2.1-mini config.json: the same keys, a longer context.
 LLADA2_1_MINI = dict(LLADA2_0_MINI, max_position_embeddings=32768)
-# inclusionAI/LLaDA2.2 config.json adds block routing, which dlm does not implement.
-LLADA2_2 = dict(LLADA2_1_MINI, expert_capacity=48, block_size=32)
+# inclusionAI/LLaDA2.2-flash's config.json additions over 2.1 (docs/llada2.md, "Configuration and tokens"),
+# here on the mini geometry: block routing and the DELETE/SPLIT ids.
+LLADA2_2 = dict(LLADA2_1_MINI, expert_capacity=48, block_size=32, delete_token_id=156930,
+                split_token_id=156931, rope_theta=3000000, max_position_embeddings=131072)
+# A computation-changing key no family implements (MoE capacity factors exist in other MoE configs).
+FOREIGN_KEY = "capacity_factor"
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 # google/diffusiongemma-26B-A4B-it config.json (hub form).
@@ -102,6 +107,7 @@ def _resaved(config: dict) -> dict:
 RELEASED = {
     "LLaDA2.0-mini": LLADA2_0_MINI,
     "LLaDA2.1-mini": LLADA2_1_MINI,
+    "LLaDA2.2": LLADA2_2,
     "diffusiongemma-26B-A4B-it": DIFFUSION_GEMMA_26B,
     "diffusiongemma-26B-A4B-it (re-saved)": _resaved(DIFFUSION_GEMMA_26B),
 }
@@ -117,11 +123,17 @@ def test_the_released_configs_are_accepted(name):
     _family(config).config.from_config(copy.deepcopy(config))
 
 
-def test_llada2_2_block_routing_is_refused_naming_both_keys():
-    with pytest.raises(ConfigError) as e:
-        _family(LLADA2_2).config.from_config(dict(LLADA2_2))
-    message = str(e.value)
-    assert "block_size, expert_capacity are settings dlm does not implement" in message, message
+def test_llada2_2_turns_block_routing_on_and_checks_its_pool():
+    args = _family(LLADA2_2).config.from_config(dict(LLADA2_2))
+    assert args.block_routing and (args.expert_capacity, args.block_size) == (48, 32)
+    assert not _family(LLADA2_1_MINI).config.from_config(dict(LLADA2_1_MINI)).block_routing
+    with pytest.raises(ConfigError, match=re.escape("expert_capacity=4 must be in [num_experts_per_tok=8, "
+                                                    "num_experts=256]")):
+        _family(LLADA2_2).config.from_config(dict(LLADA2_2, expert_capacity=4))
+    with pytest.raises(ConfigError, match="mask_token_id, delete_token_id and split_token_id must differ"):
+        _family(LLADA2_2).config.from_config(dict(LLADA2_2, split_token_id=156930))
+    with pytest.raises(ConfigError, match=re.escape("split_token_id=157184 is outside the vocabulary")):
+        _family(LLADA2_2).config.from_config(dict(LLADA2_2, split_token_id=157184))
 
 
 # -- every family, every on-disk form ------------------------------------------
@@ -180,8 +192,8 @@ def test_an_unknown_key_is_refused_at_top_level_and_nested(hub_configs, name):
 @pytest.mark.parametrize("value", [None, False, 0, {}])
 def test_an_unknown_key_is_refused_whatever_its_value(hub_configs, value):
     """No neutral value passes an unknown key: only the declaration accepts one."""
-    config = dict(hub_configs["llada2_moe"], expert_capacity=value)
-    with pytest.raises(ConfigError, match=re.escape(f"expert_capacity {UNKNOWN}")):
+    config = dict(hub_configs["llada2_moe"], **{FOREIGN_KEY: value})
+    with pytest.raises(ConfigError, match=re.escape(f"{FOREIGN_KEY} {UNKNOWN}")):
         FAMILIES["llada2_moe"].config.from_config(config)
 
 
@@ -236,37 +248,37 @@ def test_the_check_reports_every_problem_at_once():
         check_config_keys({"b": True}, keys)
 
 
-# -- dlm-convert and the loader refuse LLaDA2.2-style checkpoints -------------------
+# -- dlm-convert and the loader refuse a checkpoint with an unknown key -------------
 
 
 @pytest.fixture(scope="module")
-def llada2_2_checkpoint(tmp_path_factory):
-    """A tiny LLaDA-2 checkpoint whose config.json has LLaDA2.2's block routing keys."""
-    src = tmp_path_factory.mktemp("llada2_2") / "src"
-    build_llada2(src, expert_capacity=2, block_size=4)
-    assert json.loads((src / "config.json").read_text())["expert_capacity"] == 2
+def foreign_checkpoint(tmp_path_factory):
+    """A tiny LLaDA-2 checkpoint whose config.json has two keys dlm does not implement."""
+    src = tmp_path_factory.mktemp("foreign") / "src"
+    build_llada2(src, **{FOREIGN_KEY: 1.25, "moe_layer_freq": 2})
+    assert json.loads((src / "config.json").read_text())[FOREIGN_KEY] == 1.25
     return src
 
 
-def test_dlm_convert_refuses_block_routing_and_writes_nothing(llada2_2_checkpoint, tmp_path):
+def test_dlm_convert_refuses_an_unknown_key_and_writes_nothing(foreign_checkpoint, tmp_path):
     out = tmp_path / "out"
-    r = CliRunner().invoke(convert_main, [str(llada2_2_checkpoint), "-o", str(out), "--no-progress"])
+    r = CliRunner().invoke(convert_main, [str(foreign_checkpoint), "-o", str(out), "--no-progress"])
     assert r.exit_code == 1, r.output
     assert r.output.startswith("error: ") and "Traceback" not in r.output
-    assert "block_size, expert_capacity are settings dlm does not implement" in r.output, r.output
+    assert f"{FOREIGN_KEY}, moe_layer_freq are settings dlm does not implement" in r.output, r.output
     assert leftovers(tmp_path, out) == []
 
 
-def test_the_loader_refuses_a_conversion_with_block_routing(tiny_llada2_mlx_dir, tmp_path):
+def test_the_loader_refuses_a_conversion_with_an_unknown_key(tiny_llada2_mlx_dir, tmp_path):
     model = copy_checkpoint(tiny_llada2_mlx_dir, tmp_path / "mlx")
     config = json.loads((model / "config.json").read_text())
     loader.load(model, tokenizer=False)  # the conversion as written loads
-    config.update(expert_capacity=2, block_size=4)
+    config.update({FOREIGN_KEY: 1.25, "moe_layer_freq": 2})
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError) as e:
         loader.load(model, tokenizer=False)
     assert str(e.value) == (
-        f"{model / 'config.json'}: block_size, expert_capacity are settings dlm does not implement "
+        f"{model / 'config.json'}: {FOREIGN_KEY}, moe_layer_freq are settings dlm does not implement "
         "(they change the computation); dlm refuses them rather than run the model approximately")
 
 

@@ -157,3 +157,20 @@ def test_big_canvas_stays_small():
     size = len(trace_html.render(data).encode())
     assert len(data["vocab"]) > 10000
     assert size < 600_000, size  # measured: about 0.37 MB
+
+
+def test_labels_name_only_the_ids_shown_and_after_ids_are_decoded():
+    """A per-trace label (LLaDA2.2's DELETE/SPLIT) replaces the tokenizer's text of
+    an id the trace shows; ids of a step's ``after`` block and ``replaced`` tokens
+    are decoded too; a trace without them keeps its records as they were."""
+    trace = Trace()
+    trace.labels.update({7: "\u232bDELETE", 8: "\u2380SPLIT"})
+    trace.begin(0, 3)
+    trace.step([1, 7, 3], [REVEALED, KEPT, KEPT], after=[1, 3, 4], replaced=[(1, 5)])
+    trace.step([1, 3, 4], [KEPT, KEPT, KEPT])
+    trace.end("step-budget")
+    data = trace.to_dict(CharTokenizer())
+    assert data["vocab"] == {"1": "b", "3": "d", "4": "e", "5": "f", "7": "\u232bDELETE"}
+    first, second = data["canvases"][0]["records"]
+    assert first["after"] == [1, 3, 4] and first["replaced"] == [[1, 5]]
+    assert set(second) == {"pred", "status"}

@@ -31,6 +31,9 @@ RENOISED, ACCEPTED, KEPT, REVEALED, EDITED, FIXED = range(6)
 STATUS_NAMES = ["renoised", "accepted", "kept", "revealed", "edited", "prompt"]
 # LLaDA-2 says "masked" where DiffusionGemma re-draws noise.
 MASKED = RENOISED
+# LLaDA2.2's edit tokens, written at a position: DELETE drops it, SPLIT inserts a mask before it.
+DELETED, INSERTED = 6, 7
+EDIT_TOKEN_NAMES = ["deleted", "inserted"]
 
 # Why a canvas/block stopped denoising (``end``); the view words them.
 STOP_REASONS = {
@@ -40,6 +43,9 @@ STOP_REASONS = {
     "eos": "a stop token (EOS) before the first mask",
     "edits-settled": "all revealed and no more edits",
     "post-step-budget": "all revealed, editing passes used up (max_post_steps)",
+    "block-settled": "settled: an iteration changed nothing and no mask was left",
+    "post-fill-budget": "no mask left and the editing iterations after the last fill used up (max_post_steps)",
+    "iteration-cap": "iteration cap reached (max_steps_per_block); the last iteration filled every mask",
     "cancelled": "cancelled",
 }
 
@@ -92,6 +98,8 @@ class Trace:
         self.finish_reason: Optional[str] = None
         self.stats: Optional[dict] = None
         self.token_ids: list[int] = []
+        # Ids the view names itself instead of the tokenizer's text (LLaDA2.2's DELETE/SPLIT).
+        self.labels: dict[int, str] = {}
         self._committed = 0
 
     # -- what the families' summarisers call ----------------------------------
@@ -104,16 +112,24 @@ class Trace:
         self.canvases.append(canvas)
         return canvas
 
-    def step(self, pred, status, *, held=None, entropy=None, confidence=None, **scalars) -> None:
+    def step(self, pred, status, *, held=None, entropy=None, confidence=None, after=None, replaced=None,
+             **scalars) -> None:
         """One step of the current canvas: ``pred`` the token id per position,
         ``status`` a code per position (``STATUS_NAMES``), ``held`` the positions
         whose held token differs from ``pred`` as [[position, token], ...],
-        ``entropy`` / ``confidence`` per position (float), ``scalars`` the step's
-        own numbers (temperature, threshold, ...)."""
+        ``entropy`` / ``confidence`` per position (float), ``after`` the block
+        once the step's edits shifted it (LLaDA2.2: ids per position),
+        ``replaced`` the token a written position held before the step as
+        [[position, token], ...], ``scalars`` the step's own numbers
+        (temperature, threshold, ...)."""
         canvas = self.canvases[-1]
         record = dict(pred=[int(t) for t in np.asarray(pred).reshape(-1)], status=status_string(status))
         if held:
             record["held"] = [[int(p), int(t)] for p, t in held]
+        if after is not None:
+            record["after"] = [int(t) for t in np.asarray(after).reshape(-1)]
+        if replaced:
+            record["replaced"] = [[int(p), int(t)] for p, t in replaced]
         if entropy is not None:
             record["entropy"] = rounded(entropy)
         if confidence is not None:
@@ -167,9 +183,12 @@ class Trace:
         for canvas in self.canvases:
             for r in canvas["records"]:
                 ids.update(r["pred"])
-                ids.update(t for _, t in r.get("held", []))
+                ids.update(r.get("after", []))
+                ids.update(t for _, t in r.get("held", []) + r.get("replaced", []))
             ids.update(canvas.get("committed") or [])
-        return decode_each(tokenizer, ids)
+        vocab = decode_each(tokenizer, ids)
+        vocab.update({str(t): label for t, label in self.labels.items() if t in ids})
+        return vocab
 
     def to_dict(self, tokenizer=None, **meta) -> dict:
         """The JSON the HTML view embeds; ``meta``: title, settings, profile lines, prompt, ..."""

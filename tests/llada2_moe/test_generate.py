@@ -298,6 +298,7 @@ def test_stats_count_forwards(base):
 
 class _Args:
     mask_token_id, eos_token_ids, vocab_size = 255, [252], 256
+    block_routing = False  # LLaDA2.0/2.1
 
 
 def test_settings_from_options_defaults_and_flags():

@@ -197,7 +197,10 @@ def logit_cases(config: dict, prompts: list[list[int]], generation_config: dict)
         active[::2] = mask
         nxt = np.concatenate([committed, filler(3, bl, V, mask), active])
         cases.append(LogitCase(f"p{i}.next", list(prompt), {"window": nxt}, dict(meta)))
-        plain = np.concatenate([np.asarray(prompt, np.int64), np.full(min(bl, 16), mask, np.int64)])
+        tail = min(bl, 16)
+        if args.block_routing:  # LLaDA2.2 routes whole blocks of block_size tokens only
+            tail += -(P + tail) % args.block_size
+        plain = np.concatenate([np.asarray(prompt, np.int64), np.full(tail, mask, np.int64)])
         cases.append(LogitCase(f"p{i}.bidir", list(prompt), {"window": plain}, {"kind": "bidirectional"}))
     return cases
 
@@ -269,6 +272,8 @@ def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
     eos = gc.get("eos_token_id")
     eos = list(args.eos_token_ids) if eos is None else (eos if isinstance(eos, list) else [eos])
     steps = int(steps or gc.get("steps") or 32)
+    if args.block_routing:
+        return _levenshtein_settings(args, gc, bl, steps, blocks, eos)
     return dict(
         block_length=bl,
         steps=steps,
@@ -281,6 +286,37 @@ def stream_settings(config: dict, generation_config: dict, *, blocks: int = 2,
         max_new_tokens=int(blocks) * bl,
         max_denoising_steps=steps,
     )
+
+
+def _levenshtein_settings(args, gc: dict, bl: int, steps: int, blocks: int, eos: list) -> dict:
+    """LLaDA2.2: Levenshtein decoding, greedy only (docs/llada2.md, "dlm's rules"), its defaults
+    unless generation_config.json says otherwise."""
+    from dlm.runtime.models.llada2_moe.options import (EDITING_THRESHOLD_22, MAX_POST_STEPS,
+                                                       MAX_STEPS_PER_BLOCK, THRESHOLD_22)
+
+    def get(key, default):
+        return gc[key] if gc.get(key) is not None else default
+
+    return dict(
+        block_length=bl, steps=steps, threshold=float(get("threshold", THRESHOLD_22)),
+        max_tokens=int(blocks) * bl, eos_token_id=[int(e) for e in eos],
+        mask_token_id=int(get("mask_token_id", args.mask_token_id)),
+        runs=[{"name": "greedy", "temperature": 0.0, "top_p": None, "seed": None}],
+        max_new_tokens=int(blocks) * bl, max_denoising_steps=steps,
+        levenshtein=True, editing_threshold=float(get("editing_threshold", EDITING_THRESHOLD_22)),
+        max_post_steps=int(get("max_post_steps", MAX_POST_STEPS)),
+        max_steps_per_block=int(get("max_steps_per_block", MAX_STEPS_PER_BLOCK)),
+        delete_token_id=args.delete_token_id, split_token_id=args.split_token_id,
+    )
+
+
+def _levenshtein_kwargs(settings: dict) -> dict:
+    """The reference generate()'s LLaDA2.2 arguments (none for 2.0/2.1)."""
+    if not settings.get("levenshtein"):
+        return {}
+    return dict(levenshtein=True, editing_threshold=settings["editing_threshold"],
+                max_post_steps=settings["max_post_steps"], max_steps_per_block=settings["max_steps_per_block"],
+                delete_id=settings["delete_token_id"], split_id=settings["split_token_id"])
 
 
 def _blocks_of(prompt_len: int, tokens: list[int], settings: dict, traced: list[int]) -> list[list[int]]:
@@ -320,7 +356,8 @@ def reference_commit_stream(ref: Reference, prompt_ids: list[int], settings: dic
                 gen_length=settings["max_tokens"], threshold=settings["threshold"],
                 eos_id=settings["eos_token_id"], mask_id=settings["mask_token_id"],
                 hub_sampler=False, uniforms=UniformStream(seed) if seed is not None else None,
-                suppress_mask=True, early_stop=True, on_step=on_step,
+                suppress_mask=True, early_stop=not settings.get("levenshtein"), on_step=on_step,
+                **_levenshtein_kwargs(settings),
             ).tolist()
         return recorders, out
 
@@ -360,10 +397,13 @@ def mlx_commit_stream(loaded, prompt_ids: list[int], settings: dict) -> CommitSt
             "max_denoising_steps": settings["steps"], "threshold": settings["threshold"],
             "temp": float(run["temperature"]), "top_p": run.get("top_p"), "seed": run.get("seed"),
         }
+        if settings.get("levenshtein"):
+            options.update(max_post_steps=settings["max_post_steps"],
+                           max_steps_per_block=settings["max_steps_per_block"])
         committed, reason = [], None
         for event in api.stream_generate(loaded, prompt_ids, options, on_step=on_step,
                                          stop_ids=settings["eos_token_id"], stop_on_role_end=False,
-                                         editing_threshold=None):
+                                         editing_threshold=settings.get("editing_threshold")):
             if event.done:
                 reason = event.finish_reason
             else:

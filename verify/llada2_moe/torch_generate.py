@@ -1,4 +1,4 @@
-"""The hub 2.0 ``generate()`` and LLaDA2.1 draft-and-edit decoding, in PyTorch.
+"""The hub 2.0 ``generate()``, LLaDA2.1 draft-and-edit and LLaDA2.2 Levenshtein decoding, in PyTorch.
 
 Written from ``LLaDA2MoeModelLM.generate`` in the hub ``modeling_llada2_moe.py``
 of inclusionAI/LLaDA2.0-mini (2.0) and of inclusionAI/LLaDA2.1-mini
@@ -7,7 +7,8 @@ the hub algorithm exactly (including its temperature-0 sampling bug when
 ``hub_sampler=True``), with the hooks the parity suite needs: a shared uniform
 stream (inverse-CDF sampling, so MLX and torch draw the same samples), a commit
 trace, the fixed greedy sampler, a linear threshold schedule and editing.
-Written apart from dlm.runtime's loop on purpose.
+LLaDA2.2 Levenshtein decoding (``levenshtein=True``) is in ``torch_levenshtein``,
+written from docs/llada2.md's rules. Written apart from dlm.runtime's loop on purpose.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
+from . import torch_levenshtein
 from .torch_model import EOS_ID, MASK_ID, LLaDA2Reference, block_causal_mask
+
+
+# Levenshtein decoding of one block, re-exported for callers of this module.
+levenshtein_block = torch_levenshtein.levenshtein_block
 
 
 def transfer_quota(block_length: int, steps: int) -> list[int]:
@@ -115,6 +121,10 @@ def generate(
     trace: Optional[list] = None,
     on_step: Optional[Callable] = None,
     early_stop: bool = False,
+    levenshtein: bool = False,
+    delete_id: int | None = None,
+    split_id: int | None = None,
+    max_steps_per_block: int = 1000,
 ) -> torch.Tensor:
     """The hub 2.0 ``generate`` (LLaDA2.0-mini ``modeling_llada2_moe.py``), full recompute every step.
 
@@ -128,9 +138,22 @@ def generate(
     the block [bl, V]. ``early_stop`` ends a block's step loop once its output
     is final (no mask before the first eos or before P + gen_length): same
     output, fewer steps (dlm's rule).
+
+    ``levenshtein=True`` is LLaDA2.2 Levenshtein decoding (``torch_levenshtein``;
+    greedy only: temperature 0, ``hub_sampler=False``), with ``delete_id``,
+    ``split_id``, a float ``editing_threshold``, ``max_post_steps`` and
+    ``max_steps_per_block``; ``steps`` is used as given.
     """
     eos_ids = {int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id}
     x_in = input_ids.reshape(1, -1)
+    if levenshtein:
+        return _generate_levenshtein(
+            model, x_in, block_length, gen_length, eos_ids, _refused_for_levenshtein(
+                temperature=temperature, hub_sampler=hub_sampler, min_threshold=min_threshold, top_k=top_k,
+                top_p=top_p, eos_early_stop=eos_early_stop, early_stop=early_stop, uniforms=uniforms),
+            steps=steps, threshold=threshold, editing_threshold=editing_threshold,
+            max_post_steps=max_post_steps, max_steps_per_block=max_steps_per_block, mask_id=mask_id,
+            delete_id=delete_id, split_id=split_id, suppress_mask=suppress_mask, trace=trace, on_step=on_step)
     steps = min(steps, gen_length // minimal_topk)
     P = x_in.shape[1]
     nb = -(-(P + gen_length) // block_length)
@@ -165,9 +188,57 @@ def generate(
         if run.has_eos(x[0, P:end]):
             break
 
+    return _cut_output(x, P, gen_length, eos_ids)
+
+
+def _cut_output(x: torch.Tensor, P: int, gen_length: int, eos_ids: set) -> torch.Tensor:
+    """The generated positions up to and including the first end id."""
     g = x[0, P : P + gen_length].tolist()
     n = next((i for i, v in enumerate(g) if v in eos_ids), len(g) - 1)
     return torch.tensor(g[: n + 1], dtype=torch.long)
+
+
+def _refused_for_levenshtein(*, temperature, hub_sampler, min_threshold, top_k, top_p, eos_early_stop,
+                             early_stop, uniforms) -> list[str]:
+    """The ``generate`` settings that Levenshtein decoding (greedy, dlm's rules) does not take."""
+    checks = {
+        "temperature": temperature != 0,
+        "hub_sampler": hub_sampler,
+        "min_threshold": min_threshold is not None,
+        "top_k": top_k is not None and top_k > 0,
+        "top_p": top_p is not None and top_p < 1,
+        "eos_early_stop": eos_early_stop,
+        "early_stop": early_stop,
+        "uniforms": uniforms is not None,
+    }
+    return [name for name, bad in checks.items() if bad]
+
+
+def _generate_levenshtein(model, x_in, block_length, gen_length, eos_ids, refused, *, editing_threshold,
+                          mask_id, delete_id, split_id, **block_kw) -> torch.Tensor:
+    """LLaDA2.2 Levenshtein decoding over blocks tiled from position 0, full
+    recompute of ``x[:, :block_end]`` every iteration; output as ``generate``."""
+    if refused:
+        raise ValueError(f"Levenshtein decoding is greedy only; refused: {', '.join(refused)}")
+    if not isinstance(editing_threshold, (int, float)) or isinstance(editing_threshold, bool):
+        raise ValueError(f"Levenshtein decoding needs a float editing_threshold, got {editing_threshold!r}")
+    if delete_id is None or split_id is None:
+        raise ValueError(f"Levenshtein decoding needs delete_id and split_id, got {delete_id!r} / {split_id!r}")
+    bs = model.cfg.block_size
+    if model.cfg.expert_capacity > 0 and block_length % bs:
+        raise ValueError(f"block_length {block_length} is not a multiple of the routing block_size {bs}")
+    bad = sorted({int(t) for t in x_in[0].tolist() if t in (mask_id, delete_id, split_id)})
+    if bad:
+        raise ValueError(f"the prompt holds MASK/DELETE/SPLIT ids {bad}")
+    P = x_in.shape[1]
+    T = -(-(P + gen_length) // block_length) * block_length
+    x = torch.full((1, T), mask_id, dtype=torch.long)
+    x[0, :P] = x_in[0]
+    mask = block_causal_mask(T, block_length, model.dtype)
+    torch_levenshtein.generate_levenshtein(
+        model, x, mask, torch.arange(T), P, block_length, eos_ids, editing_threshold=float(editing_threshold),
+        mask_id=mask_id, delete_id=delete_id, split_id=split_id, **block_kw)
+    return _cut_output(x, P, gen_length, eos_ids)
 
 
 @dataclass

@@ -1,9 +1,14 @@
-"""Independent PyTorch reference model for LLaDA2.0 MoE (``llada2_moe``).
+"""Independent PyTorch reference model for LLaDA2.0/2.1/2.2 MoE (``llada2_moe``).
 
 Written from the forward pass of inclusionAI/LLaDA2.0-mini's hub
 ``modeling_llada2_moe.py`` (``LLaDA2MoeModel``), which is not imported here.
 Its ``generate()`` is in ``torch_generate``. Module and parameter names equal
 the hub checkpoint names, so a hub ``state_dict`` loads with ``strict=True``.
+
+LLaDA2.2 block routing (``expert_capacity`` > 0) follows ``LLaDA2MoeGate`` of
+the hub ``modeling_llada2_moe.py`` of inclusionAI/LLaDA2.2-flash. That file was
+not readable here, so the gate is written from docs/llada2.md's description
+(pseudocode (a) and "dlm's rules"), not from the hub code.
 
 Dtype flow follows that hub code in bf16: RMSNorm statistics in float32 with
 the weight multiply in the model dtype, router in float32, expert combine accumulated in
@@ -53,6 +58,8 @@ class RefConfig:
     use_qk_norm: bool = True
     use_qkv_bias: bool = False
     use_bias: bool = True
+    expert_capacity: int = 0  # > 0: LLaDA2.2 block routing (n_group/topk_group ignored)
+    block_size: int = 32  # routing group length of block routing
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "RefConfig":
@@ -60,6 +67,14 @@ class RefConfig:
         kv = int(cfg.get("num_key_value_heads", 0))
         if kv <= 0:
             raise ValueError("config: num_key_value_heads must be a positive integer")
+        capacity = int(cfg.get("expert_capacity") or 0)
+        k, experts = int(cfg["num_experts_per_tok"]), int(cfg["num_experts"])
+        if capacity and not k <= capacity <= experts:
+            raise ValueError(f"config: expert_capacity {capacity} must lie in [num_experts_per_tok {k}, "
+                             f"num_experts {experts}]")
+        block_size = int(cfg.get("block_size") or 32)
+        if block_size <= 0:
+            raise ValueError(f"config: block_size must be a positive integer, got {block_size}")
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -69,8 +84,8 @@ class RefConfig:
             num_key_value_heads=kv,
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            num_experts=int(cfg["num_experts"]),
-            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            num_experts=experts,
+            num_experts_per_tok=k,
             num_shared_experts=int(cfg.get("num_shared_experts") or 0),
             first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)),
             n_group=int(cfg.get("n_group") or 1),
@@ -82,6 +97,8 @@ class RefConfig:
             use_qk_norm=bool(cfg.get("use_qk_norm", True)),
             use_qkv_bias=bool(cfg.get("use_qkv_bias", False)),
             use_bias=bool(cfg.get("use_bias", True)),
+            expert_capacity=capacity,
+            block_size=block_size,
         )
 
 
@@ -159,7 +176,10 @@ class SwiGLU(nn.Module):
 
 
 class Gate(nn.Module):
-    """Sigmoid router with expert_bias and group-limited top-k (hub ``LLaDA2MoeSparseMoeBlock``)."""
+    """Sigmoid router with expert_bias: group-limited top-k (hub 2.0
+    ``LLaDA2MoeSparseMoeBlock``), or LLaDA2.2 block routing when
+    ``expert_capacity`` > 0 (``forward(t, sequences)``: ``t`` holds
+    ``sequences`` sequences of equal length, one after the other)."""
 
     def __init__(self, cfg: RefConfig):
         super().__init__()
@@ -167,22 +187,52 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
 
-    def forward(self, t: torch.Tensor):
+    def forward(self, t: torch.Tensor, sequences: int = 1):
         cfg = self.cfg
-        T, E = t.shape[0], cfg.num_experts
         s = torch.sigmoid(F.linear(t.float(), self.weight.float()))
         b = s + self.expert_bias  # routing scores only; fp32 sum
+        if cfg.expert_capacity > 0:
+            idx = self._block_topk(b, sequences)
+        else:
+            idx = self._group_limited_topk(b)
+        w = s.gather(1, idx)
+        if cfg.num_experts_per_tok > 1:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * cfg.routed_scaling_factor
+
+    def _group_limited_topk(self, b: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        T, E = b.shape[0], cfg.num_experts
         per_group = E // cfg.n_group
         gs = b.view(T, cfg.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
         chosen = gs.topk(cfg.topk_group, dim=-1, sorted=False).indices
         keep = torch.zeros_like(gs, dtype=torch.bool).scatter(1, chosen, True)
         keep = keep.unsqueeze(-1).expand(T, cfg.n_group, per_group).reshape(T, E)
         b = b.masked_fill(~keep, float("-inf"))
-        idx = b.topk(cfg.num_experts_per_tok, dim=-1, sorted=True).indices
-        w = s.gather(1, idx)
-        if cfg.num_experts_per_tok > 1:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * cfg.routed_scaling_factor
+        return b.topk(cfg.num_experts_per_tok, dim=-1, sorted=True).indices
+
+    def _block_topk(self, b: torch.Tensor, sequences: int) -> torch.Tensor:
+        """Pool = the top-``expert_capacity`` experts of each group of
+        ``block_size`` tokens by the max over its tokens of ``b``; each token
+        then takes its top-k by ``b`` inside its group's pool
+        (docs/llada2.md, pseudocode (a))."""
+        cfg = self.cfg
+        T, E, bs = b.shape[0], cfg.num_experts, cfg.block_size
+        per_seq = T // sequences
+        if per_seq * sequences != T or per_seq % bs:
+            raise ValueError(f"block routing: {per_seq} tokens per sequence is not a whole number of "
+                             f"block_size {bs} groups")
+        groups = b.view(sequences, per_seq // bs, bs, E)
+        pool = _stable_topk(groups.max(dim=2).values, cfg.expert_capacity)  # [S, G, capacity]
+        keep = torch.zeros(sequences, per_seq // bs, E, dtype=torch.bool).scatter(-1, pool, True)
+        keep = keep[:, :, None, :].expand(sequences, per_seq // bs, bs, E).reshape(T, E)
+        return _stable_topk(b.masked_fill(~keep, float("-inf")), cfg.num_experts_per_tok)
+
+
+def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last axis, largest first; exact
+    ties go to the lower index (torch.topk leaves tie order unspecified)."""
+    return torch.sort(-scores, dim=-1, stable=True).indices[..., :k]
 
 
 class SparseMoe(nn.Module):
@@ -201,7 +251,7 @@ class SparseMoe(nn.Module):
     def forward(self, m):
         shape = m.shape
         t = m.reshape(-1, shape[-1])
-        idx, w = self.gate(t)
+        idx, w = self.gate(t, sequences=shape[0] if m.dim() == 3 else 1)  # routing groups stay per sequence
         parts = torch.zeros(t.shape[0], idx.shape[1], t.shape[1], dtype=torch.float32)
         for e in idx.unique().tolist():
             rows, slots = (idx == e).nonzero(as_tuple=True)

@@ -34,21 +34,12 @@ import numpy as np
 
 from ...generation.progress import Block
 from ..cpu.streams import VOCAB_MIN_PIECE_BYTES, split_rows
+from .levenshtein import decode_block
+from .requests import Forward, Sync
 from .model import block_causal_mask
 from .sampling import on_host, reveal, sample
 from .structured import denoise_structured
 from .trace import BlockTracer
-
-
-@dataclass
-class Forward:
-    """A window to run: ids [L] at the cache's offset, under ``mask``; the
-    head's logits for the block's ``rows`` only (its masked positions), or
-    for all its positions (None)."""
-
-    ids: mx.array
-    mask: Optional[mx.array]
-    rows: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -119,13 +110,6 @@ def reveal_rows(session, reqs: list[Reveal]) -> list[tuple]:
     return [(tok[i], conf[i], write[i], block[i], done[i], masked[i]) for i in range(len(reqs))]
 
 
-@dataclass
-class Sync:
-    """An array to read on the host (``.tolist()``)."""
-
-    value: mx.array
-
-
 class Member:
     """One request in the batch: its session and the block in progress."""
 
@@ -166,6 +150,8 @@ class Member:
         scored = len(frontier.records) if frontier is not None else 0
         if frontier is not None:  # structured output (runs alone, never batched)
             block, steps, cancelled = yield from denoise_structured(self, b, start, block, gen_from, need)
+        elif s.rules is not None:  # LLaDA2.2
+            block, steps, cancelled = yield from decode_block(self, b, start, block, gen_from)
         elif s.editing is None:
             block, steps, cancelled = yield from self._denoise(b, start, block, gen_from, need)
         else:
@@ -309,7 +295,7 @@ def run_alone(member: Member, remaining: int) -> Block:
         elif isinstance(request, Reveal):
             member.resume(reveal_rows(s, [request])[0])
         else:
-            member.resume(request.value.tolist())
+            member.resume(request.read())
     return member.finished
 
 
@@ -351,10 +337,10 @@ class Batch:
             syncs = [m for m in members if isinstance(m.request, Sync)]
             if not syncs:
                 return
-            values = [m.request.value for m in syncs]
-            mx.eval(values)  # the host sync of the step, for the whole batch
-            for m, v in zip(syncs, values):
-                m.resume(v.tolist())
+            requests = [m.request for m in syncs]
+            mx.eval([r.value for r in requests])  # the host sync of the step, for the whole batch
+            for m, r in zip(syncs, requests):
+                m.resume(r.read())
 
     def _forward(self, members: list[Member]) -> list[mx.array]:
         """Each member's block logits [bl, V]: one forward per (window, block) length."""

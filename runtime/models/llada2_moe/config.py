@@ -1,7 +1,9 @@
-"""LLaDA2.0 / 2.1 MoE (``llada2_moe``) config: ``ModelArgs`` from the hub
+"""LLaDA2.0 / 2.1 / 2.2 MoE (``llada2_moe``) config: ``ModelArgs`` from the hub
 config.json, and the config dlm-convert writes.
 Fields as in the hub ``configuration_llada2_moe.py`` and config.json of
-inclusionAI/LLaDA2.0-mini (and LLaDA2.1-mini, the same architecture).
+inclusionAI/LLaDA2.0-mini (and LLaDA2.1-mini, the same architecture); LLaDA2.2
+(inclusionAI/LLaDA2.2-mini, -flash) adds ``expert_capacity`` and ``block_size``
+(block routing) and the DELETE/SPLIT ids of its Levenshtein decoding (docs/llada2.md).
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from ..base import METADATA_KEYS, BaseModelArgs, ConfigKeys, ConfigReader, check
 
 DEFAULT_EOS_ID = 156892  # <|endoftext|>; 2.0 configs carry no eos_token_id
 DEFAULT_MASK_ID = 156895
+# LLaDA2.2's edit tokens: base-vocabulary ids, the hub generate() defaults
+# (inclusionAI/LLaDA2.2-flash declares them in config.json; docs/llada2.md).
+DEFAULT_DELETE_ID = 156930
+DEFAULT_SPLIT_ID = 156931
 
 # The keys of the llada2_moe config.json dlm understands: those of
 # inclusionAI/LLaDA2.0-mini's and LLaDA2.1-mini's config.json (and dlm's own
-# mask_token_id / eos_token_id). Any other key is refused at dlm-convert and at
-# load: LLaDA2.2's block routing (``expert_capacity``, ``block_size``) is one
-# until dlm implements it.
+# mask_token_id / eos_token_id), and LLaDA2.2's additions. Any other key is
+# refused at dlm-convert and at load.
 _READ = frozenset({  # what from_config reads: the computation dlm implements
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
@@ -26,6 +31,7 @@ _READ = frozenset({  # what from_config reads: the computation dlm implements
     "rope_theta", "partial_rotary_factor", "rope_scaling", "rms_norm_eps", "use_qk_norm", "use_qkv_bias",
     "use_bias", "tie_word_embeddings", "hidden_act", "max_position_embeddings", "pad_token_id",
     "eos_token_id", "mask_token_id",
+    "expert_capacity", "block_size", "delete_token_id", "split_token_id",  # LLaDA2.2
 })
 _HARMLESS = METADATA_KEYS | {
     "rotary_dim",  # informational: the hub code derives the rotary width from partial_rotary_factor
@@ -81,12 +87,22 @@ class ModelArgs(BaseModelArgs):
     pad_token_id: int = DEFAULT_EOS_ID
     eos_token_ids: list[int] = field(default_factory=lambda: [DEFAULT_EOS_ID])
     mask_token_id: int = DEFAULT_MASK_ID
+    # LLaDA2.2: block routing (expert_capacity > 0) and its Levenshtein decoding.
+    expert_capacity: int = 0
+    block_size: int = 32
+    delete_token_id: int = DEFAULT_DELETE_ID
+    split_token_id: int = DEFAULT_SPLIT_ID
     model_type: str = "llada2_moe"
     config_keys = CONFIG_KEYS
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def block_routing(self) -> bool:
+        """LLaDA2.2: experts pooled per block of ``block_size`` tokens, and Levenshtein decoding."""
+        return self.expert_capacity > 0
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
@@ -140,6 +156,10 @@ class ModelArgs(BaseModelArgs):
             pad_token_id=r.int("pad_token_id", DEFAULT_EOS_ID, minimum=0),
             eos_token_ids=r.token_ids(eos_key, [DEFAULT_EOS_ID]),
             mask_token_id=r.int("mask_token_id", DEFAULT_MASK_ID, minimum=0),
+            expert_capacity=r.int("expert_capacity", 0, minimum=0),
+            block_size=r.int("block_size", 32, minimum=1),
+            delete_token_id=r.int("delete_token_id", DEFAULT_DELETE_ID, minimum=0),
+            split_token_id=r.int("split_token_id", DEFAULT_SPLIT_ID, minimum=0),
         )
         args._validate(where, cfg)
         return args
@@ -151,11 +171,13 @@ class ModelArgs(BaseModelArgs):
         if self.num_attention_heads % self.num_key_value_heads:
             bad(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
-        if self.num_experts % self.n_group:
+        if self.block_routing:
+            self._validate_v22(bad)
+        elif self.num_experts % self.n_group:
             bad(f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
-        if not 1 <= self.topk_group <= self.n_group:
+        elif not 1 <= self.topk_group <= self.n_group:
             bad(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
-        if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+        elif self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
             bad(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
                 f"{self.topk_group} selected groups")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
@@ -169,6 +191,20 @@ class ModelArgs(BaseModelArgs):
             bad(f"hidden_act {cfg.get('hidden_act')!r} is not supported (expected 'silu')")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             bad(f"first_k_dense_replace={self.first_k_dense_replace} is out of range")
+
+    def _validate_v22(self, bad) -> None:
+        """LLaDA2.2: the pool holds at least a token's top-k; the edit ids are distinct vocabulary ids.
+        (n_group / topk_group stay in its config, unused: its gate has no group step.)"""
+        if not self.num_experts_per_tok <= self.expert_capacity <= self.num_experts:
+            bad(f"expert_capacity={self.expert_capacity} must be in [num_experts_per_tok="
+                f"{self.num_experts_per_tok}, num_experts={self.num_experts}]")
+        ids = {"mask_token_id": self.mask_token_id, "delete_token_id": self.delete_token_id,
+               "split_token_id": self.split_token_id}
+        for name, value in ids.items():
+            if value >= self.vocab_size:
+                bad(f"{name}={value} is outside the vocabulary (vocab_size={self.vocab_size})")
+        if len(set(ids.values())) < 3:
+            bad(f"mask_token_id, delete_token_id and split_token_id must differ (got {sorted(ids.values())})")
 
 
 

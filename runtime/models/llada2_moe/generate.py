@@ -20,7 +20,9 @@ top-k / top-p, drawn by inverse CDF from a seeded uniform stream (numpy PCG64)
 so that the PyTorch reference draws the same samples. ``reference_sampling``
 reproduces the hub 2.0 sampler (temperature 0 still samples at temperature 1).
 LLaDA2.1 checkpoints add token-to-token editing (``editing_threshold``; on by
-default at 0.9 when the checkpoint is recognised as 2.1). Unlike the 2.1 hub
+default at 0.9 when the checkpoint is recognised as 2.1). LLaDA2.2 checkpoints
+(``expert_capacity`` in config.json) decode each block with Levenshtein editing
+(levenshtein.py: DELETE and SPLIT tokens, the anti-loop rule; greedy only). Unlike the 2.1 hub
 code, whose mask is the raw 0/1 matrix (no blocking in effect), attention stays
 block-causal, as dllm's fix and the committed-block cache require.
 
@@ -49,14 +51,18 @@ from ...generation.progress import Block, PrefixState, check_prompt, common_pref
 from ...platform.memory import check_budget, scores_materialized
 from ..base import ConfigReader
 from .model import block_causal_mask
+from .levenshtein import Rules
 from .options import (
     BLOCK_LENGTH,
     DEFAULTS as D,
     EDITING_THRESHOLD_21,
+    EDITING_THRESHOLD_22,
     LINEAR_FLOOR,
     MAX_POST_STEPS,
+    MAX_STEPS_PER_BLOCK,
     STEPS,
     THRESHOLD,
+    THRESHOLD_22,
 )
 from .sampling import UniformStream, transfer_quota
 from .trace import BlockTracer
@@ -96,6 +102,7 @@ class Settings:
     # None: no editing; "auto": LLaDA2.1 checkpoints edit at 0.9, others do not.
     editing_threshold: Optional[float] | str = "auto"
     max_post_steps: int = MAX_POST_STEPS
+    max_steps_per_block: int = MAX_STEPS_PER_BLOCK  # LLaDA2.2
     prefill_step_size: int = D["prefill_step_size"]  # prompt tokens per prefill forward (rounded to blocks)
     memory_budget: Optional[float] = None  # GB; None: the default (dlm.runtime.platform.memory)
     skip_special_tokens: bool = D["skip_special_tokens"]
@@ -116,25 +123,30 @@ class Settings:
         # generation_config values are typed and range-checked (a bad one names the key).
         g = ConfigReader(generation_config or {}, "generation_config.json", "generation config")
         vocab = args.vocab_size
+        threshold = THRESHOLD_22 if args.block_routing else THRESHOLD
         s = cls(
             mask_token_id=g.int("mask_token_id", args.mask_token_id, minimum=0, maximum=vocab - 1),
             eos_token_ids=tuple(g.token_ids("eos_token_id", list(args.eos_token_ids), vocab=vocab)),
             max_tokens=options.get("max_tokens", g.int("max_new_tokens", D["max_tokens"], minimum=0)),
             block_length=options.get("block_length", g.int("block_length", BLOCK_LENGTH, minimum=1)),
             steps=options.get("max_denoising_steps", g.int("steps", STEPS, minimum=1)),
-            threshold=options.get("threshold", g.float("threshold", THRESHOLD, minimum=0.0, maximum=1.0)),
+            threshold=options.get("threshold", g.float("threshold", threshold, minimum=0.0, maximum=1.0)),
             temperature=options.get("temp", g.float("temperature", D["temp"], minimum=0.0)),
             top_k=options.get("top_k"),
             top_p=options.get("top_p"),
             seed=options.get("seed"),
             reference_sampling=bool(options.get("reference_sampling") or False),
             max_post_steps=options.get("max_post_steps", g.int("max_post_steps", MAX_POST_STEPS, minimum=0)),
+            max_steps_per_block=options.get("max_steps_per_block",
+                                            g.int("max_steps_per_block", MAX_STEPS_PER_BLOCK, minimum=1)),
             prefill_step_size=options.get("prefill_step_size", D["prefill_step_size"]),
             memory_budget=options.get("memory_budget"),
             skip_special_tokens=options.get("skip_special_tokens", D["skip_special_tokens"]),
         )
         if options.get("editing_threshold") is not None:
             s.editing_threshold = float(options["editing_threshold"])
+        elif args.block_routing:
+            s.editing_threshold = g.float("editing_threshold", EDITING_THRESHOLD_22, minimum=0.0, maximum=1.0)
         s.min_threshold = parse_threshold_schedule(options.get("threshold_schedule"), s.threshold)
         return s
 
@@ -166,7 +178,14 @@ def is_llada21(loaded) -> bool:
 
 def option_warnings(loaded, options: dict) -> list[str]:
     """--editing-threshold below 1.0 on a LLaDA2.0 checkpoint: editing runs (it
-    changes answers) but 2.0 was not trained for it, so say so (one line)."""
+    changes answers) but 2.0 was not trained for it, so say so (one line).
+    A LLaDA2.2 config silent on its DELETE/SPLIT ids: say which ids dlm uses."""
+    if loaded.args.block_routing:
+        silent = [k for k in ("delete_token_id", "split_token_id") if loaded.config.get(k) is None]
+        if not silent:
+            return []
+        return [f"warning: config.json declares no {' / '.join(silent)}; using LLaDA2.2's "
+                f"{loaded.args.delete_token_id} (DELETE) and {loaded.args.split_token_id} (SPLIT)"]
     value = options.get("editing_threshold")
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value >= 1.0:
         return []
@@ -233,6 +252,11 @@ def stream_generate(
                                   "--json-schema); trace the unconstrained run")
         session.frontier = structured.frontier(loaded.tokenizer, loaded.args.vocab_size, session.stop_ids,
                                                session.budget)
+        if session.rules is not None:  # a constrained block never edits: DELETE/SPLIT would be text
+            edits = (loaded.args.delete_token_id, loaded.args.split_token_id)
+            vocab = mx.arange(loaded.args.vocab_size)
+            bias = mx.where((vocab == edits[0]) | (vocab == edits[1]), -mx.inf, 0.0)
+            session.logit_bias = bias if session.logit_bias is None else session.logit_bias + bias
     return run(session, loaded, session.prompt, cancel)
 
 
@@ -265,8 +289,11 @@ class BlockSession:
                      "lower --max-tokens, --block-length or --prefill-step-size, or shorten the prompt")
         self.editing = s.editing_threshold
         if self.editing == "auto":
-            self.editing = EDITING_THRESHOLD_21 if is_llada21(loaded) else None
-        self.steps = max(1, min(s.steps, s.max_tokens))  # hub: min(steps, gen_length // minimal_topk)
+            self.editing = (EDITING_THRESHOLD_22 if loaded.args.block_routing
+                            else EDITING_THRESHOLD_21 if is_llada21(loaded) else None)
+        self.rules = self._rules(loaded.args) if loaded.args.block_routing else None
+        # hub 2.0/2.1: min(steps, gen_length // minimal_topk); 2.2 spreads a block's masks over ``steps``
+        self.steps = s.steps if self.rules else max(1, min(s.steps, s.max_tokens))
         self.quota = transfer_quota(self.bl, self.steps)
         self.uniforms = s.uniforms or UniformStream(s.seed)
         self.needs_uniforms = s.temperature > 0 or s.reference_sampling
@@ -274,6 +301,28 @@ class BlockSession:
         if s.suppress_mask:
             self.logit_bias = mx.where(mx.arange(vocab) == s.mask_token_id, -mx.inf, 0.0)
         self.set_stops(stop_ids(loaded, s))
+
+    def _rules(self, args) -> Rules:
+        """LLaDA2.2's decoding (levenshtein.py); what it does not implement is refused by name."""
+        s = self.s
+        refused = [name for name, on in (
+            ("--temp > 0", s.temperature > 0), ("--top-k", bool(s.top_k)),
+            ("--top-p", s.top_p is not None and s.top_p < 1), ("--reference-sampling", s.reference_sampling),
+            ("--threshold-schedule linear", s.min_threshold is not None)) if on]
+        if refused:
+            raise GenerationError(f"{', '.join(refused)}: not implemented for LLaDA2.2, whose decoding dlm runs "
+                                  "greedily (temperature 0, its generate() default)")
+        if self.bl % args.block_size:
+            raise GenerationError(f"--block-length {self.bl} is not a multiple of this LLaDA2.2 checkpoint's "
+                                  f"routing block_size {args.block_size}")
+        special = {s.mask_token_id: "MASK", args.delete_token_id: "DELETE", args.split_token_id: "SPLIT"}
+        held = sorted({special[t] for t in self.prompt if t in special})
+        if held:
+            raise GenerationError(f"the prompt holds LLaDA2.2's {', '.join(held)} token: decoding tokens, not text")
+        editing = float("inf") if self.editing is None else float(self.editing)  # None: no token edits
+        return Rules(mask_id=s.mask_token_id, delete_id=args.delete_token_id, split_id=args.split_token_id,
+                     steps=s.steps, threshold=s.threshold, editing_threshold=editing,
+                     max_post_steps=s.max_post_steps, max_steps_per_block=s.max_steps_per_block)
 
     def memory_bytes(self, args) -> int:
         """Upper estimate: the KV cache at its capacity, a step's float32 block

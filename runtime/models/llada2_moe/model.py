@@ -12,6 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...platform.errors import GenerationError
 from ..base import compile_enabled
 from ..cpu.streams import split_positions
 from ..rows import as_linear, linear, linear_each, matmul
@@ -208,8 +209,10 @@ class MLP(nn.Module):
 
 
 class Gate(nn.Module):
-    """Sigmoid router, expert_bias for selection only, group-limited top-k (as the
-    hub ``modeling_llada2_moe.py: LLaDA2MoeSparseMoeBlock`` routes).
+    """Sigmoid router, expert_bias for selection only; group-limited top-k (as the
+    hub ``modeling_llada2_moe.py: LLaDA2MoeSparseMoeBlock`` of LLaDA2.0/2.1 routes)
+    or, on LLaDA2.2 (``expert_capacity`` > 0), block routing: each token picks its
+    top-k from the pool of its block of ``block_size`` tokens (docs/llada2.md).
     Raw arrays, not a Linear: the router is never quantized."""
 
     def __init__(self, args: ModelArgs):
@@ -217,6 +220,7 @@ class Gate(nn.Module):
         self.weight = mx.zeros((args.num_experts, args.hidden_size))
         self.expert_bias = mx.zeros((args.num_experts,), dtype=mx.float32)
         self.k, self.n_group, self.topk_group = args.num_experts_per_tok, args.n_group, args.topk_group
+        self.capacity, self.block_size = args.expert_capacity, args.block_size
         self.scaling = args.routed_scaling_factor
 
     def __call__(self, x, sequences: int = 1):
@@ -224,22 +228,48 @@ class Gate(nn.Module):
         x32 = x.astype(mx.float32).reshape(sequences, -1, x.shape[-1])
         s = mx.sigmoid(matmul(x32, self.weight.astype(mx.float32).T).reshape(x.shape[0], -1))
         b = s + self.expert_bias.astype(mx.float32)
-        if self.topk_group < self.n_group:
-            T, E = b.shape
-            grouped = b.reshape(T, self.n_group, E // self.n_group)
-            top2 = mx.topk(grouped, min(2, E // self.n_group), axis=-1).sum(-1)
-            dropped = mx.argpartition(top2, kth=self.n_group - self.topk_group - 1, axis=-1)
-            dropped = dropped[:, : self.n_group - self.topk_group]
-            group_ok = mx.put_along_axis(
-                mx.ones((T, self.n_group), dtype=mx.bool_), dropped, mx.array(False), axis=-1
-            )
-            keep = mx.broadcast_to(group_ok[..., None], grouped.shape).reshape(T, E)
-            b = mx.where(keep, b, -mx.inf)
-        idx = mx.argsort(-b, axis=-1)[:, : self.k]  # descending, as the reference sums
+        if self.capacity:
+            b = self._pooled(b, sequences)
+        elif self.topk_group < self.n_group:
+            b = self._group_limited(b)
+        idx = _top(b, self.k)  # descending, as the reference sums
         w = mx.take_along_axis(s, idx, axis=-1)
         if self.k > 1:
             w = w / (w.sum(-1, keepdims=True) + 1e-20)
         return mx.stop_gradient(idx), w * self.scaling
+
+    def _group_limited(self, b):
+        T, E = b.shape
+        grouped = b.reshape(T, self.n_group, E // self.n_group)
+        top2 = mx.topk(grouped, min(2, E // self.n_group), axis=-1).sum(-1)
+        dropped = mx.argpartition(top2, kth=self.n_group - self.topk_group - 1, axis=-1)
+        dropped = dropped[:, : self.n_group - self.topk_group]
+        group_ok = mx.put_along_axis(
+            mx.ones((T, self.n_group), dtype=mx.bool_), dropped, mx.array(False), axis=-1
+        )
+        keep = mx.broadcast_to(group_ok[..., None], grouped.shape).reshape(T, E)
+        return mx.where(keep, b, -mx.inf)
+
+    def _pooled(self, b, sequences: int):
+        """Block routing: the experts outside each block's pool (its top
+        ``expert_capacity`` by the max over the block's tokens) set to -inf.
+        Blocks are per sequence; every forward starts on a block boundary."""
+        T, E = b.shape
+        n = T // sequences
+        if n % self.block_size:
+            raise GenerationError(f"LLaDA2.2 block routing needs whole blocks of block_size={self.block_size} "
+                                  f"tokens; a forward of {n} tokens per sequence is not")
+        groups = b.reshape(sequences, n // self.block_size, self.block_size, E)
+        pool = _top(groups.max(axis=2), self.capacity)  # [S, G, capacity]
+        inside = mx.put_along_axis(mx.zeros((*pool.shape[:2], E), dtype=mx.bool_), pool, mx.array(True), axis=-1)
+        inside = mx.broadcast_to(inside[:, :, None], groups.shape).reshape(T, E)
+        return mx.where(inside, b, -mx.inf)
+
+
+def _top(scores, k: int):
+    """Indices of the k largest along the last axis, largest first; exact ties
+    go to the lower index (a stable sort of the negated scores)."""
+    return mx.argsort(-scores, axis=-1)[..., :k]
 
 
 class SparseMoe(nn.Module):
@@ -376,9 +406,11 @@ class Model(nn.Module):
 
     def product_rows(self) -> dict:
         """Rows per product of a denoising forward (the CPU weight layout, layout.py):
-        a default block's positions, and its token copies per routed expert."""
+        a default block's positions, and its token copies per routed expert (over
+        the block's pool under LLaDA2.2's block routing)."""
         a = self.args
-        return {"linear": BLOCK_LENGTH, "experts": BLOCK_LENGTH * a.num_experts_per_tok / a.num_experts}
+        experts = a.expert_capacity or a.num_experts
+        return {"linear": BLOCK_LENGTH, "experts": BLOCK_LENGTH * a.num_experts_per_tok / experts}
 
     def make_cache(self, capacity: int) -> list[CommittedKVCache]:
         return [CommittedKVCache(capacity) for _ in self.model.layers]

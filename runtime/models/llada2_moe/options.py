@@ -10,6 +10,11 @@ THRESHOLD = 0.95
 LINEAR_FLOOR = 0.5  # --threshold-schedule linear without an explicit floor
 EDITING_THRESHOLD_21 = 0.9  # the LLaDA2.1 hub generate() default
 MAX_POST_STEPS = 16
+# LLaDA2.2's generate() defaults (docs/llada2.md): a lower fill threshold, every
+# differing prediction edits, and a hard cap on a block's iterations.
+THRESHOLD_22 = 0.5
+EDITING_THRESHOLD_22 = 0.0
+MAX_STEPS_PER_BLOCK = 1000
 
 OPTIONS = (
     MAX_TOKENS,
@@ -22,15 +27,18 @@ OPTIONS = (
            neutral=1.0),
     Option("block_length", INT, "Tokens per generation block.", BLOCK_LENGTH, minimum=1),
     Option("threshold", FLOAT, "Reveal every masked position whose confidence exceeds this.",
-           THRESHOLD, minimum=0.0, maximum=1.0),
+           THRESHOLD, f"{{default}} ({THRESHOLD_22} on LLaDA2.2)", minimum=0.0, maximum=1.0),
     Option("threshold_schedule", STR, "Constant threshold, or a linear decay to FLOOR over a block's "
            f"steps (linear alone decays to {LINEAR_FLOOR}).", "constant",
            metavar="constant|linear[:FLOOR]"),
-    Option("editing_threshold", FLOAT, "LLaDA2.1 token-to-token editing: rewrite a generated token "
+    Option("editing_threshold", FLOAT, "LLaDA2.1/2.2 token-to-token editing: rewrite a generated token "
            "when the new one's confidence exceeds this (1.0: off).",
-           default_help=f"{EDITING_THRESHOLD_21} on LLaDA2.1 checkpoints, off otherwise", minimum=0.0, maximum=1.0),
-    Option("max_post_steps", INT, "LLaDA2.1 editing: most passes after a block's last mask is filled.",
+           default_help=f"{EDITING_THRESHOLD_21} on LLaDA2.1, {EDITING_THRESHOLD_22} on LLaDA2.2, off otherwise",
+           minimum=0.0, maximum=1.0),
+    Option("max_post_steps", INT, "LLaDA2.1/2.2 editing: most passes after a block's last mask is filled.",
            MAX_POST_STEPS, minimum=0),
+    Option("max_steps_per_block", INT, "LLaDA2.2 editing: most iterations per block (a safety cap; the last "
+           "one fills every mask).", MAX_STEPS_PER_BLOCK, minimum=1),
     Option("reference_sampling", BOOL, "The hub 2.0 sampler, which samples even at --temp 0 (parity work).",
            request=False),
     SKIP_SPECIAL_TOKENS,

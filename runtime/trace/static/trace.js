@@ -2,7 +2,9 @@
   "use strict";
   var DATA = JSON.parse(document.getElementById("dlm-trace").textContent);
   var root = document.getElementById("app");
-  var SKIP = { pred: 1, status: 1, held: 1, entropy: 1, confidence: 1 };
+  var SKIP = { pred: 1, status: 1, held: 1, entropy: 1, confidence: 1, after: 1, replaced: 1 };
+  // LLaDA2.2's edit tokens: one fixed colour each (outside the green-red scale), as in trace.css.
+  var SOLID = { deleted: "#c23bbf", inserted: "#1c9fc7" };
 
   function el(tag, cls, text) {
     var e = document.createElement(tag);
@@ -120,6 +122,10 @@
       lg.appendChild(el("span", null, scale.key === "entropy" ? "low (max " + fmt(scale.top) + " nats)" : "high"));
     }
     lg.appendChild(el("span", null, "faded: the model's prediction where the position holds noise or a mask"));
+    if (trace.status_names.indexOf("deleted") >= 0) {
+      lg.appendChild(el("span", null, "deleted: DELETE written, the position drops out; inserted: SPLIT written, " +
+        "a mask goes in before the token it held; the row under a step: the block once they shifted it"));
+    }
     parent.appendChild(lg);
   }
 
@@ -143,7 +149,38 @@
     parent.appendChild(this.grid);
     this.cells = [];
     for (var p = 0; p < L; p++) { var c = el("span", "tok"); this.cells.push(c); this.grid.appendChild(c); }
+    this.afterCells = [];
+    if (canvas.records.some(function (r) { return r.after; })) this.afterRow(parent, L);
     this.drawOverview(-1, null);
+  }
+  // LLaDA2.2: the block after the step's DELETE/SPLIT shifted it, under the step's own grid.
+  Side.prototype.afterRow = function (parent, L) {
+    var row = el("div", "after");
+    row.appendChild(el("span", "afterlabel", "after the shift:"));
+    var grid = el("div", "grid");
+    for (var p = 0; p < L; p++) { var c = el("span", "tok"); this.afterCells.push(c); grid.appendChild(c); }
+    row.appendChild(grid);
+    parent.appendChild(row);
+  };
+  Side.prototype.showAfter = function (rec) {
+    var after = rec && rec.after, trace = this.trace, c = this.canvas;
+    for (var p = 0; p < this.afterCells.length; p++) {
+      var cell = this.afterCells[p];
+      if (!after) { cell.textContent = ""; cell.className = "tok"; cell.title = ""; continue; }
+      var id = after[p], st = p < (c.output_from || 0) ? "prompt" : (id === c.mask_id ? "masked" : "kept");
+      var moved = id !== rec.pred[p], shown = JSON.stringify(tokText(trace, rec.pred[p]));
+      cell.textContent = tokText(trace, id);
+      cell.className = "tok st-" + st + (moved ? " shifted" : "");
+      cell.title = "position " + p + " after the shift \u00b7 " + JSON.stringify(tokText(trace, id)) +
+        " (id " + id + ")" + (moved ? " \u00b7 the step showed " + shown + " here" : "");
+    }
+  };
+  // What a written position held before the step, in words (LLaDA2.2's "replaced").
+  function editNote(trace, st, was) {
+    var old = was === undefined ? null : JSON.stringify(tokText(trace, was)) + " (id " + was + ")";
+    if (st === "deleted") return " \u00b7 drops this position, which held " + (old || "a mask");
+    if (st === "inserted") return " \u00b7 inserts a mask before " + (old || "the mask it held");
+    return old ? " \u00b7 was " + old : "";
   }
   // Positions that did not reach the output (after a stop token, past the budget).
   Side.prototype.outside = function (p) {
@@ -159,7 +196,7 @@
     this.canvas.records.forEach(function (rec, s) {
       for (var p = 0; p < rec.pred.length; p++) {
         var st = self.status(rec, p), faded = st === "renoised" || st === "masked";
-        ctx.fillStyle = st === "prompt" ? "#d5d9de" : colour(hue(self.scale, rec, p), faded ? 0.35 : 1);
+        ctx.fillStyle = st === "prompt" ? "#d5d9de" : SOLID[st] || colour(hue(self.scale, rec, p), faded ? 0.35 : 1);
         ctx.fillRect(p * cw, s * rh, cw, rh);
       }
     });
@@ -175,9 +212,10 @@
   Side.prototype.shown = function (s) {
     var rec = this.canvas.records[Math.min(s, this.canvas.records.length - 1)];
     if (!rec) return null;
-    var held = {};
+    var held = {}, replaced = {};
     (rec.held || []).forEach(function (h) { held[h[0]] = h[1]; });
-    return { rec: rec, held: held };
+    (rec.replaced || []).forEach(function (h) { replaced[h[0]] = h[1]; });
+    return { rec: rec, held: held, replaced: replaced };
   };
   Side.prototype.show = function (s, other, mark) {
     var sh = this.shown(s), trace = this.trace, c = this.canvas;
@@ -191,17 +229,20 @@
       cell.className = "tok st-" + st;
       if (this.outside(p)) cell.className += " out-trimmed";
       var h = hue(this.scale, rec, p);
-      cell.style.background = st === "prompt" ? "" : colour(h, st === "renoised" || st === "masked" ? 0.45 : 0.9);
+      var faded = st === "renoised" || st === "masked";
+      cell.style.background = st === "prompt" || SOLID[st] ? "" : colour(h, faded ? 0.45 : 0.9);
       if (osh && osh.rec.pred[p] !== rec.pred[p]) cell.className += " differs";
       if (mark && mark.step === s && mark.position === p) cell.className += " diverge";
       var tip = "position " + p + " \u00b7 " + JSON.stringify(tokText(trace, id)) + " (id " + id + ") \u00b7 " + st;
       if (p in sh.held) {
         tip += " \u00b7 model predicts " + JSON.stringify(tokText(trace, rec.pred[p])) + " (id " + rec.pred[p] + ")";
       }
+      tip += editNote(trace, st, sh.replaced[p]);
       if (rec.entropy) tip += " \u00b7 entropy " + fmt(rec.entropy[p]);
       if (rec.confidence) tip += " \u00b7 confidence " + fmt(rec.confidence[p]);
       cell.title = tip;
     }
+    if (this.afterCells.length) this.showAfter(sh && sh.rec);
   };
   Side.prototype.info = function (s) {
     var c = this.canvas, rec = c.records[s];
@@ -214,8 +255,10 @@
   };
 
   function reasonText(trace, c) {
-    var out = "stopped after " + c.records.length + " step" + (c.records.length === 1 ? "" : "s") +
+    var budget = c.iteration_cap ?
+      " (masks filled over " + c.step_budget + " steps, at most " + c.iteration_cap + ")" :
       (c.step_budget ? " (step budget " + c.step_budget + ")" : "");
+    var out = "stopped after " + c.records.length + " step" + (c.records.length === 1 ? "" : "s") + budget;
     if (c.stop_reason) out += ": " + (trace.stop_reasons[c.stop_reason] || c.stop_reason);
     if (c.ends_output === "eos") out += "; the output ends here (stop token)";
     if (c.ends_output === "budget") out += "; the output ends here (token budget)";
