@@ -9,17 +9,19 @@ length go through one forward with a batch axis (dlm.runtime.models.rows keeps
 every matmul per sequence; each sequence attends to its own prefix cache, at
 its own positions), and the requests' stop flags are read in one host sync per
 step. Each request's step around the forward (schedule, sampling, acceptance,
-renoising, the stop rule, its draws) is canvas.py's ``_build_step`` on its own
+renoising, the stop rule, its draws) is canvas.py's ``build_steps`` on its own
 slice of the logits, so it draws and commits what it would alone.
 
-``Member`` is canvas.denoise_canvas taken apart into the scheduler's phases
-(the batch-vs-solo identity tests, tests/diffusion_gemma/test_batch.py, hold
-the two together): account for the step that ran, stop or go on, build the
-next step, evaluate. Steps are pipelined as alone: the batch's next step is
-built while the current one runs (Metal/CUDA; on the CPU backend
-``mx.async_eval`` returns only near the end of the step: canvas.py's
-denoise_canvas), and rebuilt without the canvases that turn out to have
-stopped (they drew nothing: their draws are rewound, as alone).
+``Member`` drives one request's canvas.Canvas, the generator the solo path
+(canvas.drive) and structured output (structured.Grammar) run too: the batch
+answers every member's ``Next`` (the step to build) with one decoder forward per
+canvas length and one step graph per kind, reads the stop flags those requests
+carry in one host sync, and evaluates every ``Sync`` (a canvas under a grammar
+reads its step before the next is built) in one evaluation. Steps are
+pipelined as alone: the batch's next step is built while the current one runs
+(Metal/CUDA; on the CPU backend ``mx.async_eval`` returns only near the end of
+the step: canvas.py's denoise_canvas), and rebuilt without the canvases that
+turn out to have stopped (they drew nothing: their draws are rewound, as alone).
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ...generation.progress import Block
-from . import sampling as S
-from .canvas import CanvasResult, build_steps
+from .canvas import Next, Sync, build_steps
 
 
 class Member:
-    """One request in the batch: its session and the canvas in progress."""
+    """One request in the batch: its session and the canvas in progress (a
+    canvas.Canvas generator, parked at its next request)."""
 
     def __init__(self, session):
         self.session = session
@@ -42,79 +44,63 @@ class Member:
         self.encoding: Optional[mx.array] = None  # the committed canvas to encode before the next step
         self.length = 0
         self._settings = None
-        self._reset()
-
-    def _reset(self) -> None:
         self.busy = False
-        self.step = None  # the step that was built and evaluated (denoise_canvas's ``step``)
-        self.cur = 0  # its cur_step (N..1)
-        self.steps = 0
-        self.history: list[mx.array] = []
-        self.following = None
-        self.inputs = None  # (canvas, sc_probs, revealed, cur_step) of the step to build next
+        self.canvas = None
+        self.request = None  # what the canvas waits for: a Next or a Sync
+        self.launched = None  # the step running, the answer to the canvas's Next
+        self.following = None  # the step built for the Next
         self.mark = None  # the draws before the step to build next
+        self._gen = None
 
-    # -- a canvas begins and ends (CanvasSession.next_block around denoise_canvas) --
+    # -- a canvas begins and ends ---------------------------------------------
 
     def begin(self, remaining: int) -> None:
         s = self.session
-        if s.pending is not None:  # commit: the previous canvas is encoded at its positions (Batch.step)
-            self.encoding = s.pending
-            if s.prefix is not None:
-                s.prefix.ids.extend(s.pending[0].tolist())
-        st = s.settings
-        self.length = S.canvas_length(remaining, st.min_canvas, st.max_canvas, st.full_canvas)
-        s.canvas_index += 1
-        self.hook = s._step_hook(s.canvas_index - 1)
-        self._reset()
-        self.busy, self.finished = True, None
-        shape = (1, self.length)
-        if s.cancel is not None and s.cancel():
-            self._end(CanvasResult(mx.zeros(shape, dtype=mx.int32), 0, False, cancelled=True))
-            return
-        self.inputs = (s.draws.canvas(shape), None, mx.zeros(shape, dtype=mx.bool_), s.denoise.steps)
-        self.mark = s.draws.state()
+        if self.encoding is not None:  # a canvas that ran no step (a grammar completed it) committed one already
+            s.model.encode(self.encoding, s.cache, compiled=True)
+        self.encoding, self.length, self.canvas = s.open(remaining)  # encoded in Batch.step
+        self.busy, self.finished, self.launched, self.following = True, None, None, None
+        self._gen = self.canvas.run()
+        self.resume(None)
 
-    def _end(self, result: CanvasResult) -> None:
-        self.busy, self.step, self.following, self.inputs = False, None, None, None
-        if result.cancelled:
-            self.finished = Block(steps=result.steps, cancelled=True)
+    def resume(self, value) -> None:
+        """Send the canvas what it waited for; run it to its next request or its end."""
+        try:
+            self.request = self._gen.send(value)
+        except StopIteration as end:
+            self.busy, self.request, self._gen, self.launched, self.following = False, None, None, None, None
+            self.finished = self.session.finish(end.value)
             return
-        self.session.pending = result.tokens
-        self.finished = Block(result.tokens[0].tolist(), result.steps, result.stopped_early)
+        if isinstance(self.request, Next):
+            self.mark = self.session.draws.state()
 
     # -- the phases of one step ------------------------------------------------
 
     def account(self) -> None:
-        """The step that ran: count it, show it, and end the canvas at its last
-        step or on cancel (before the stop flag is read, as alone)."""
-        if self.step is None:
-            return
-        step, config = self.step, self.session.denoise
-        self.steps += 1
-        if self.hook is not None:
-            self.hook(self.steps - 1, step.logits, step.argmax)
-        window = config.stability_threshold or 0
-        if window:
-            self.history = (self.history + [step.argmax])[-window:]
-        if self.cur == 1:
-            self._end(CanvasResult(step.argmax, self.steps, False))
-            return
-        cancel = self.session.cancel
-        if cancel is not None and cancel():
-            self._end(CanvasResult(step.argmax, self.steps, False, cancelled=True))
-            return
-        self.inputs = (step.canvas, step.sc_probs, step.revealed, self.cur - 1)
-        self.mark = self.session.draws.state()
+        """The step that ran goes to the canvas: it counts and shows it, and ends
+        at its last step or on cancel (before the stop flag is read, as alone)."""
+        if self.launched is not None:
+            step, self.launched = self.launched, None
+            self.resume(step)
+
+    @property
+    def inputs(self) -> tuple:
+        """(canvas, sc_probs, revealed, cur_step) of the step to build next."""
+        r = self.request
+        return r.canvas, r.sc_probs, r.revealed, r.cur_step
+
+    @property
+    def history(self) -> list[mx.array]:
+        return self.canvas.history
 
     @property
     def stop_flag(self) -> Optional[mx.array]:
-        return None if self.step is None else self.step.stop
+        return self.request.stop if isinstance(self.request, Next) else None
 
     def stopped(self) -> None:
         """The step that ran says stop: the canvas ends; the next step drew nothing."""
         self.session.draws.restore(self.mark)
-        self._end(CanvasResult(self.step.argmax, self.steps, True))
+        self.resume(None)
 
     def kind(self) -> tuple:
         """Members of one kind build their next steps together (build_steps): the
@@ -130,10 +116,9 @@ class Member:
         return self._settings
 
     def launch(self) -> list[mx.array]:
-        """The step just built becomes the current step; returns what to evaluate."""
-        _, _, _, cur = self.inputs
-        self.step, self.cur, self.following, self.inputs = self.following, cur, None, None
-        return self.step.outputs(last=cur == 1)
+        """The step just built becomes the running step; returns what to evaluate."""
+        self.launched, self.following = self.following, None
+        return self.launched.outputs(last=self.request.cur_step == 1)
 
 
 class Batch:
@@ -157,20 +142,19 @@ class Batch:
         last step, a stop flag, cancel) is committed and the next one begun, which
         this step then builds: alone, the next canvas follows at once, so a member
         never sits out a step between canvases."""
-        busy = [m for m in members if m.busy]
-        for m in busy:
+        for m in [m for m in members if m.busy]:
             m.account()
             if not m.busy:  # its canvas ended (last step, cancel)
                 renew(m)
+        self._settle(members, renew)
         encode(self.model, [m for m in members if m.encoding is not None])
-        running = [m for m in members if m.busy and m.step is not None]
         going = [m for m in members if m.busy]
         # A step that reads on the host while it is built (Model.speculates) is
         # built after the stop flags, so a stopped canvas costs no forward.
         speculate = self.model.speculates(max((m.length for m in going), default=0), self.eager)
         if speculate:
             self._build(going)
-        stops = [m for m in running if m.stop_flag is not None]
+        stops = [m for m in going if m.stop_flag is not None]
         stopped = []
         if stops:  # the one host sync of a step, for the whole batch
             flags = mx.stack([m.stop_flag for m in stops]).tolist()
@@ -184,6 +168,19 @@ class Batch:
             self._build(going)
         if going:  # one evaluation for the whole batch (Metal/CUDA: run while the next step is built)
             mx.async_eval([out for m in going for out in m.launch()])
+
+    @staticmethod
+    def _settle(members: list[Member], renew: Callable[[Member], None]) -> None:
+        """Answer the canvases that read their step on the host (under a grammar:
+        before their next step is built) with one evaluation for all."""
+        syncs = [m for m in members if isinstance(m.request, Sync)]
+        if not syncs:
+            return
+        mx.eval([v for m in syncs for v in m.request.values])
+        for m in syncs:
+            m.resume(None)
+            if not m.busy:  # its canvas ended (the grammar completed it, cancel, its last step)
+                renew(m)
 
     def _build(self, members: list[Member]) -> None:
         """The next step of every member: one decoder forward per canvas length,

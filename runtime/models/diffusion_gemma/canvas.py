@@ -16,6 +16,11 @@ and returns the argmax canvas of the last step (what the reference commits).
 The work over the vocabulary (scores, the draw, the self-conditioning softmax)
 shares one exponential per entry (scores.py). Work stays lazy; the only host
 sync per step is the scalar stop decision.
+
+The loop is one generator per canvas (``Canvas.run``), which yields the step
+to build (``Next``) and what to read on the host (``Sync``): ``drive`` runs it
+alone (denoise_canvas, generate.py), batch.Batch runs many in shared forwards,
+and under a grammar (structured.Grammar) it pins the frozen prefix.
 """
 
 from __future__ import annotations
@@ -252,6 +257,128 @@ def _all(flags: Optional[mx.array]) -> Optional[mx.array]:
     return flags[0] if flags.shape[0] == 1 else mx.all(flags)
 
 
+@dataclass
+class Next:
+    """The step to build from ``canvas`` / ``sc_probs`` / ``revealed`` at
+    ``cur_step`` of the schedule. ``stop``: the stop flag of the step that ran
+    (None: nothing to read); when it is set the driver builds nothing (or
+    rewinds the draws of what it built) and answers None, else the step, launched."""
+
+    canvas: mx.array
+    sc_probs: Optional[mx.array]
+    revealed: mx.array
+    cur_step: int
+    stop: Optional[mx.array] = None
+
+
+@dataclass
+class Sync:
+    """Arrays the canvas reads on the host next (evaluated by the driver; answered None)."""
+
+    values: list
+
+
+class Canvas:
+    """One canvas's denoising loop as a generator (``run``): it yields a ``Next``
+    per step and a ``Sync`` where it reads on the host, and returns its
+    CanvasResult (the grammar's StructuredCanvas under one). ``drive`` runs it alone, batch.Batch with the
+    batch's other canvases, and a ``grammar`` (structured.Grammar) shapes it."""
+
+    def __init__(self, draws, shape: tuple[int, int], config: DenoiseConfig, *,
+                 cancel: Optional[Callable[[], bool]] = None, on_step: Optional[StepHook] = None,
+                 on_summary: Optional[Callable[[int, dict], None]] = None, grammar=None):
+        self.draws, self.shape, self.config, self.grammar = draws, shape, config, grammar
+        self.cancel, self.on_step, self.on_summary = cancel, on_step, on_summary
+        self.summarise = on_summary is not None  # the driver builds each step's summary (--trace)
+        self.history: list[mx.array] = []  # the last steps' argmax (the stability window)
+
+    def run(self):
+        return self._shaped() if self.grammar is not None else self._plain()
+
+    def _cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel()
+
+    def _remember(self, argmax: mx.array) -> None:
+        window = self.config.stability_threshold or 0
+        if window:
+            self.history = (self.history + [argmax])[-window:]
+
+    def _plain(self):
+        if self._cancelled():
+            return CanvasResult(mx.zeros(self.shape, dtype=mx.int32), 0, False, cancelled=True)
+        step = yield Next(self.draws.canvas(self.shape), None, mx.zeros(self.shape, dtype=mx.bool_),
+                          self.config.steps)
+        steps = 0
+        for cur_step in range(self.config.steps, 0, -1):
+            steps += 1
+            if self.on_step is not None:
+                self.on_step(steps - 1, step.logits, step.argmax)
+            if self.summarise:
+                self.on_summary(steps - 1, step.summary)
+            self._remember(step.argmax)
+            if cur_step == 1:
+                break
+            if self._cancelled():
+                return CanvasResult(step.argmax, steps, False, cancelled=True)
+            following = yield Next(step.canvas, step.sc_probs, step.revealed, cur_step - 1, step.stop)
+            if following is None:  # the step that ran said stop
+                return CanvasResult(step.argmax, steps, True)
+            step = following
+        return CanvasResult(step.argmax, steps, False)
+
+    def _shaped(self):
+        """Under a grammar: each step's input has its frozen prefix pinned, and
+        each step is read on the host before the next is built."""
+        grammar = self.grammar
+        grammar.begin(self.shape[-1])
+        canvas, sc_probs, revealed = self.draws.canvas(self.shape), None, mx.zeros(self.shape, dtype=mx.bool_)
+        steps = 0
+        for cur_step in range(self.config.steps, 0, -1):
+            if grammar.complete:
+                break
+            if self._cancelled():
+                return grammar.result(steps, cancelled=True)
+            step = yield Next(grammar.pin(canvas), sc_probs, revealed, cur_step)
+            yield Sync(step.outputs() + [step.keep])
+            steps += 1
+            self._remember(step.argmax)
+            grammar.advance(step, cur_step, steps - 1)
+            canvas, sc_probs, revealed = step.canvas, step.sc_probs, step.revealed
+        return grammar.result(steps)
+
+
+def drive(canvas: Canvas, decode: Decode, speculate: bool = True):
+    """Run a Canvas alone: every Next is built (``decode`` is its model call) and
+    launched, every Sync one evaluation; returns what the canvas returns."""
+    gen, answer = canvas.run(), None
+    while True:
+        try:
+            request = gen.send(answer)
+        except StopIteration as end:
+            return end.value
+        if isinstance(request, Sync):
+            mx.eval(*request.values)
+            answer = None
+        else:
+            answer = _next_alone(canvas, decode, request, speculate)
+
+
+def _next_alone(canvas: Canvas, decode: Decode, request: Next, speculate: bool) -> Optional[_Step]:
+    """Pipelined (see denoise_canvas): the next step is built before the stop
+    flag is read, and its draws rewound if the canvas stopped."""
+    stop = request.stop
+    if not speculate and stop is not None and stop.item():
+        return None
+    mark = canvas.draws.state()
+    step = _build_step(decode, canvas.draws, canvas.config, request.canvas, request.sc_probs, request.revealed,
+                       canvas.history, request.cur_step, canvas.summarise)
+    if speculate and stop is not None and stop.item():  # the one host sync of a step
+        canvas.draws.restore(mark)  # the step that did not run drew nothing
+        return None
+    mx.async_eval(*step.outputs(last=request.cur_step == 1))
+    return step
+
+
 def denoise_canvas(
     decode: Decode,
     draws,
@@ -264,7 +391,7 @@ def denoise_canvas(
     on_summary: Optional[Callable[[int, dict], None]] = None,
     speculate: bool = True,
 ) -> CanvasResult:
-    """Run the denoising loop for one canvas of ``length`` positions.
+    """Run the denoising loop for one canvas of ``length`` positions (a Canvas, driven alone).
 
     ``on_step(step_index, logits, argmax)`` (optional) sees every step's raw
     float32 logits [B, L, V] and argmax [B, L] (parity traces);
@@ -281,36 +408,5 @@ def denoise_canvas(
     early.) ``speculate=False`` (a step whose build reads on the host and so
     computes: Model.speculates) reads the stop flag first and then builds.
     """
-    shape = (batch, length)
-    if cancel is not None and cancel():
-        return CanvasResult(mx.zeros(shape, dtype=mx.int32), 0, False, cancelled=True)
-    window = config.stability_threshold or 0
-    history: list[mx.array] = []
-    summarise = on_summary is not None
-    step = _build_step(decode, draws, config, draws.canvas(shape), None,
-                       mx.zeros(shape, dtype=mx.bool_), history, config.steps, summarise)
-    mx.async_eval(*step.outputs(last=config.steps == 1))
-    steps = 0
-    for cur_step in range(config.steps, 0, -1):
-        steps += 1
-        if on_step is not None:
-            on_step(steps - 1, step.logits, step.argmax)
-        if summarise:
-            on_summary(steps - 1, step.summary)
-        if window:
-            history = (history + [step.argmax])[-window:]
-        if cur_step == 1:
-            break
-        if cancel is not None and cancel():
-            return CanvasResult(step.argmax, steps, False, cancelled=True)
-        if not speculate and step.stop is not None and step.stop.item():
-            return CanvasResult(step.argmax, steps, True)
-        mark = draws.state()
-        following = _build_step(decode, draws, config, step.canvas, step.sc_probs, step.revealed,
-                                history, cur_step - 1, summarise)
-        if speculate and step.stop is not None and step.stop.item():  # the one host sync of a step
-            draws.restore(mark)  # the step that did not run drew nothing
-            return CanvasResult(step.argmax, steps, True)
-        mx.async_eval(*following.outputs(last=cur_step - 1 == 1))
-        step = following
-    return CanvasResult(step.argmax, steps, False)
+    canvas = Canvas(draws, (batch, length), config, cancel=cancel, on_step=on_step, on_summary=on_summary)
+    return drive(canvas, decode, speculate)

@@ -35,11 +35,11 @@ from ...generation.progress import Block, PrefixState, check_prompt, common_pref
 from ...platform.memory import check_budget, scores_materialized
 from ..base import ConfigReader
 from . import sampling as S
-from .canvas import DebugDraws, DenoiseConfig, RandomDraws, StepHook, denoise_canvas
+from .canvas import Canvas, DebugDraws, DenoiseConfig, RandomDraws, StepHook, drive
 from .config import SLIDING
 from .model import image_blocks
 from .options import DEFAULTS as D
-from .structured import denoise_structured
+from .structured import Grammar
 from .trace import CanvasTracer
 
 
@@ -151,6 +151,7 @@ class CanvasSession:
         self.cache, self.pending = None, None
         self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
         self.canvas_index = 0
+        self.tracer, self.grammar = None, None  # the canvas in progress's (open)
         # Structured output (dlm.runtime.structured): a grammar frontier over the canvases.
         self.frontier = None
         if structured is not None:
@@ -251,43 +252,44 @@ class CanvasSession:
         return hook
 
     def next_block(self, remaining: int) -> Block:
-        model, cache, s = self.model, self.cache, self.settings
-        if self.pending is not None:  # commit: encode the previous canvas at its positions
-            model.encode(self.pending, cache, compiled=True)
-            if self.prefix is not None:
-                self.prefix.ids.extend(self.pending[0].tolist())
+        """One canvas alone: its Canvas (canvas.py) driven by itself, as batch.Batch drives many."""
+        model, cache = self.model, self.cache
+        encoding, length, canvas = self.open(remaining)
+        if encoding is not None:
+            model.encode(encoding, cache, compiled=True)
+        decode = lambda c, sc: model.decode(c, cache, sc_probs=sc)  # noqa: E731
+        return self.finish(drive(canvas, decode, speculate=model.speculates(length)))
+
+    def open(self, remaining: int) -> tuple[Optional[mx.array], int, Canvas]:
+        """The next canvas: (the committed canvas to encode at its positions first,
+        or None; its length; its Canvas, under the grammar of a structured run)."""
+        encoding, s = self.pending, self.settings
+        if encoding is not None and self.prefix is not None:
+            self.prefix.ids.extend(encoding[0].tolist())
         length = S.canvas_length(remaining, s.min_canvas, s.max_canvas, s.full_canvas)
         self.canvas_index += 1
+        index = self.canvas_index - 1
         if self.frontier is not None:
-            return self._structured_block(length)
-        tracer = (None if self.step_trace is None
-                  else CanvasTracer(self.step_trace, self.canvas_index - 1, length, self.denoise))
-        result = denoise_canvas(
-            lambda c, sc: model.decode(c, cache, sc_probs=sc), self.draws, length, self.denoise,
-            cancel=self.cancel, on_step=self._step_hook(self.canvas_index - 1), on_summary=tracer,
-            speculate=model.speculates(length),
-        )
-        if tracer is not None:
-            tracer.finish(result)
+            watch = None if self.watch is None else (lambda step, ids: self.watch(index, step, ids))
+            self.grammar = Grammar(self.frontier, self.settings.eos_token_ids[0], watch)
+            return encoding, length, Canvas(self.draws, (1, length), self.denoise, cancel=self.cancel,
+                                            grammar=self.grammar)
+        self.tracer = None if self.step_trace is None else CanvasTracer(self.step_trace, index, length, self.denoise)
+        return encoding, length, Canvas(self.draws, (1, length), self.denoise, cancel=self.cancel,
+                                        on_step=self._step_hook(index), on_summary=self.tracer)
+
+    def finish(self, result) -> Block:
+        """The Block of a canvas that ended (CanvasResult, or StructuredCanvas under
+        a grammar); what it commits is encoded before the next canvas."""
+        if self.tracer is not None:
+            self.tracer.finish(result)
         if result.cancelled:
             return Block(steps=result.steps, cancelled=True)
+        if self.frontier is not None:
+            self.pending, block = self.grammar.block(result, self.denoise.steps)
+            return block
         self.pending = result.tokens
         return Block(result.tokens[0].tolist(), result.steps, result.stopped_early)
-
-    def _structured_block(self, length: int) -> Block:
-        model, cache, frontier = self.model, self.cache, self.frontier
-        scored = len(frontier.records)
-        watch = None
-        if self.watch is not None:
-            index = self.canvas_index - 1
-            watch = lambda step, ids: self.watch(index, step, ids)  # noqa: E731
-        result = denoise_structured(lambda c, sc: model.decode(c, cache, sc_probs=sc), self.draws, length, self.denoise,
-                                    frontier, self.settings.eos_token_ids[0], self.cancel, watch)
-        if result.cancelled:
-            return Block(steps=result.steps, cancelled=True)
-        self.pending = mx.array(result.tokens[:length], dtype=mx.int32)[None]
-        logprobs = frontier.records[scored:] if frontier.logprobs is not None else None
-        return Block(result.tokens, result.steps, result.steps < self.denoise.steps, logprobs=logprobs)
 
 
 Session = CanvasSession

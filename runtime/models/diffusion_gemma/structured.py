@@ -1,12 +1,13 @@
 """One DiffusionGemma canvas under a grammar (dlm.runtime.structured.frontier).
 
-The canvas is denoised as canvas.py does (same schedule, samplers, renoising,
-self-conditioning, draws), with the frontier's frozen prefix pinned into the
-input of every step. Per step the proposal is the step's argmax (what the
-reference commits) and the acceptance is the sampler's own: the entropy
-bound's accepted positions, or the confidence threshold's revealed ones. When
-the unconstrained stop rule fires (stable and confident, or all revealed), the rest of the
-canvas is frozen in that step; the last step freezes whatever is left.
+The canvas is denoised by canvas.py's own loop (``Canvas`` with a ``Grammar``:
+same schedule, samplers, renoising, self-conditioning, draws), with the
+frontier's frozen prefix pinned into the input of every step. Per step the
+proposal is the step's argmax (what the reference commits) and the acceptance
+is the sampler's own: the entropy bound's accepted positions, or the
+confidence threshold's revealed ones. When the unconstrained stop rule fires
+(stable and confident, or all revealed), the rest of the canvas is frozen in
+that step; the last step freezes whatever is left.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from ...generation.progress import Block
 from ...structured import Frontier, Rows
-from .canvas import DenoiseConfig, _build_step
 
 
 @dataclass
@@ -28,38 +29,45 @@ class StructuredCanvas:
     cancelled: bool = False
 
 
-def _pin(canvas: mx.array, frozen: list[int]) -> mx.array:
-    if not frozen:
-        return canvas
-    head = mx.array(frozen, dtype=canvas.dtype)[None]
-    return mx.concatenate([head, canvas[:, len(frozen):]], axis=1)
+class Grammar:
+    """The frontier's part in a Canvas: it pins each step's input, advances on
+    each step read on the host, and makes the canvas's result."""
 
+    def __init__(self, frontier: Frontier, stop_id: int, watch: Optional[Callable[[int, list], None]] = None):
+        self.frontier, self.stop_id, self.watch = frontier, stop_id, watch
+        self.scored = 0
 
-def denoise_structured(decode, draws, length: int, config: DenoiseConfig, frontier: Frontier, stop_id: int,
-                       cancel: Optional[Callable[[], bool]] = None,
-                       watch: Optional[Callable[[int, list], None]] = None) -> StructuredCanvas:
-    """canvas.py's step (``_build_step``: the same schedule, sampler, draws and
-    self-conditioning), each step's input with the frozen prefix pinned."""
-    shape = (1, length)
-    frontier.begin(length)
-    canvas, sc_probs = draws.canvas(shape), None
-    revealed = mx.zeros(shape, dtype=mx.bool_)
-    history, steps, window = [], 0, config.stability_threshold or 0
-    for cur_step in range(config.steps, 0, -1):
-        if frontier.complete:
-            break
-        if cancel is not None and cancel():
-            return StructuredCanvas([], steps, cancelled=True)
-        step = _build_step(decode, draws, config, _pin(canvas, frontier.frozen), sc_probs, revealed, history,
-                           cur_step)
-        mx.eval(*step.outputs(), step.keep)
-        steps += 1
-        if window:
-            history = (history + [step.argmax])[-window:]
+    def begin(self, length: int) -> None:
+        self.length, self.scored = length, len(self.frontier.records)
+        self.frontier.begin(length)
+
+    @property
+    def complete(self) -> bool:
+        return self.frontier.complete
+
+    def pin(self, canvas: mx.array) -> mx.array:
+        """The step's input canvas [1, L] with the frozen prefix in place."""
+        frozen = self.frontier.frozen
+        if not frozen:
+            return canvas
+        return mx.concatenate([mx.array(frozen, dtype=canvas.dtype)[None], canvas[:, len(frozen):]], axis=1)
+
+    def advance(self, step, cur_step: int, index: int) -> None:
+        """The step (evaluated) moves the frontier: its stop rule ends the canvas's freezing now."""
+        frontier = self.frontier
         quota = frontier.quota(1 if step.stop is not None and bool(step.stop.item()) else cur_step)
         frontier.advance(np.array(step.argmax[0]), np.array(step.keep[0]), quota, Rows(step.logits[0]))
-        if watch is not None:
-            watch(steps - 1, frontier.frozen + np.array(step.argmax[0, len(frontier.frozen):]).tolist())
-        canvas, sc_probs, revealed = step.canvas, step.sc_probs, step.revealed
-    tokens = list(frontier.frozen) + ([stop_id] if frontier.finished else [])
-    return StructuredCanvas(tokens, steps)
+        if self.watch is not None:
+            self.watch(index, frontier.frozen + np.array(step.argmax[0, len(frontier.frozen):]).tolist())
+
+    def result(self, steps: int, cancelled: bool = False) -> StructuredCanvas:
+        if cancelled:
+            return StructuredCanvas([], steps, cancelled=True)
+        return StructuredCanvas(list(self.frontier.frozen) + ([self.stop_id] if self.frontier.finished else []),
+                                steps)
+
+    def block(self, result: StructuredCanvas, steps: int) -> tuple[mx.array, Block]:
+        """(the canvas to commit [1, L], the Block) of a finished canvas; ``steps``: the step budget."""
+        logprobs = self.frontier.records[self.scored:] if self.frontier.logprobs is not None else None
+        committed = mx.array(result.tokens[:self.length], dtype=mx.int32)[None]
+        return committed, Block(result.tokens, result.steps, result.steps < steps, logprobs=logprobs)
