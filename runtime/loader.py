@@ -35,6 +35,8 @@ class LoadedModel:
     relaid: int = 0  # float weights stored [in, out] for the CPU's BLAS (models/cpu/layout.py)
     # The family's image processor, built on first use (api.image_processor).
     image_processor: Any = None
+    world: Any = None  # the mx.distributed World this rank shares the model with (None: one process)
+    shard_notes: list = field(default_factory=list)  # what the family split and what it replicated
 
     def settings(self, options: dict):
         """The family's generation Settings for ``options`` (checked by name and
@@ -253,6 +255,8 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
         raise ConfigError(f"{path}: weights are quantized but config.json has no 'quantization' block")
     check_weights(model, weights)
     model.load_weights(list(weights.items()), strict=True)
+    del weights
+    world, shard_notes = _shard(path, family, model)
     upcast, dequantized, per_call = False, 0, 0
     on_cpu = mx.default_device() == mx.cpu
     if compute_dtype == "float32" or (compute_dtype == "auto" and on_cpu):
@@ -281,12 +285,33 @@ def load(path, *, trust_remote_code: bool = False, tokenizer: bool = True,
         relaid = cpu_layout(model)
     model.eval()
     mx.eval(model.parameters())
+    if world is not None:
+        from .platform import distributed, memory
+
+        mine = mx.array([memory.budget_bytes()], dtype=mx.int64)
+        memory.fix_budget(int(distributed.all_gather(mine, world).min().item()))
 
     generation_config = read_generation_config(path, config)
     tok = load_tokenizer(path, trust_remote_code) if tokenizer else None
     dtype = str(model.dtype).replace("mlx.core.", "")
     return LoadedModel(path, config, args, family, model, tok, generation_config, source, dtype, upcast,
-                       dequantized, per_call, relaid)
+                       dequantized, per_call, relaid, world=world, shard_notes=shard_notes)
+
+
+def _shard(path: Path, family: Family, model) -> tuple[Any, list[str]]:
+    """Under ``mlx.launch``: every rank checks it loads the same files, then keeps
+    its share of the weights (the family's ``shard``), before anything is evaluated."""
+    from .platform import distributed
+
+    world = distributed.world()
+    if world is None:
+        return None, []
+    if family.shard is None:
+        raise distributed.DistributedError(f"{family.title} does not run over several ranks yet")
+    files = sorted([path / "config.json", *weight_files(path)])
+    digest = "\n".join(f"{f.name} {f.stat().st_size}" for f in files) + (path / "config.json").read_text()
+    distributed.agree("the model files (config.json, weight file names and sizes)", digest, world)
+    return world, family.shard(model, world)
 
 
 __all__ = ["LoadedModel", "load", "DlmError"]

@@ -52,11 +52,29 @@ def batch_options(func):
     return func
 
 
-def read_prompts(path: str) -> list[tuple[int, dict]]:
-    """(line number, item) for each prompt line; a bad line is a DlmError naming it."""
+def read_prompts_everywhere(path: str, world) -> list[tuple[int, dict]]:
+    """``read_prompts`` on every rank of an mlx.launch job: stdin is read by rank 0
+    and handed to the others; a file is read by each rank, which must all read
+    the same prompts (else an error on every rank)."""
+    from . import ranks
+
+    if path == "-":
+        reader = ranks.read_launched_stdin if ranks.launched() else None
+        items = ranks.from_rank0(lambda: read_prompts(path, reader), world)
+        return [(number, item) for number, item in items]  # pairs again (JSON made them lists)
+    items = read_prompts(path)
+    if world is None:
+        return items
+    ranks.agree_on(f"--prompts-file {path} (its prompts)", json.dumps(items, sort_keys=True), world)
+    return items
+
+
+def read_prompts(path: str, read_stdin=None) -> list[tuple[int, dict]]:
+    """(line number, item) for each prompt line; a bad line is a DlmError naming it.
+    ``read_stdin``: how to read ``-`` (all of stdin)."""
     try:
         if path == "-":
-            text = sys.stdin.read()
+            text = read_stdin() if read_stdin is not None else sys.stdin.read()
         else:
             with open_regular(path, "r", encoding="utf-8") as fp:  # a FIFO would block open() for ever
                 text = fp.read()
@@ -276,6 +294,13 @@ def run_prompts_file(loaded, path: str, items: list[tuple[int, dict]], output: O
                      defaults: dict, max_batch: Optional[int], profile: bool) -> None:
     """The job of ``items`` (read_prompts of ``path``): check every prompt,
     generate, write (see the module doc)."""
+    from . import ranks
+
+    with ranks.watched(getattr(loaded, "world", None)) as dog, ranks.busy(dog):
+        _run_prompts(loaded, path, items, output, options, defaults, max_batch, profile, ranks.beating(dog))
+
+
+def _run_prompts(loaded, path, items, output, options, defaults, max_batch, profile, cancel) -> None:
     from .. import api
     from ..batch import DEFAULT_MAX_BATCH, Batcher
 
@@ -286,7 +311,7 @@ def run_prompts_file(loaded, path: str, items: list[tuple[int, dict]], output: O
         prompt = encode(api, loaded, item, defaults, where)
         own = {k: v for k, v in item.items() if k not in PROMPT_FIELDS + OTHER_FIELDS}
         try:
-            entry = batcher.add(prompt, {**options, **own}, key=index)
+            entry = batcher.add(prompt, {**options, **own}, cancel=cancel, key=index)
         except DlmError as exc:
             raise DlmError(f"{where}: {exc}") from None
         prompts.append(list(getattr(entry.session, "prompt_ids", None) or entry.session.prompt))

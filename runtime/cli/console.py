@@ -45,6 +45,11 @@ class _Guarded:
         except Exception as exc:
             if settings.DEBUG.get():
                 raise
+            from .ranks import peer_lost
+
+            lost = peer_lost(exc)  # under mlx.launch: another rank is gone, not a dlm bug
+            if lost is not None:
+                fail(lost, self.error_code)
             fail(f"internal error ({type(exc).__name__}: {exc}); this is a dlm bug, please report it "
                  "(DLM_DEBUG=1 shows the traceback)", self.error_code)
 

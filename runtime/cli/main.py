@@ -16,7 +16,8 @@ import click
 
 from ..trace import html as trace_html
 from .. import trace as step_trace
-from .batch import batch_options, check_flags, read_prompts, run_prompts_file
+from . import ranks
+from .batch import batch_options, check_flags, read_prompts_everywhere, run_prompts_file
 from .console import (Group, check_text, echo_environment_notes, fail, live_view, model_options, profile_lines,
                       read_stdin)
 from ..platform.errors import DlmError
@@ -28,6 +29,7 @@ from ..registry import click_options
 @click.version_option(package_name="dlm", prog_name="dlm-run")
 def main():
     """Run DiffusionGemma / LLaDA-2 models converted to MLX."""
+    ranks.silence_followers()  # under mlx.launch rank 0 speaks for all
     echo_environment_notes()
 
 
@@ -97,9 +99,11 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
             "--json-object": json_object})
         api.check_options(model_path, options)  # family and option errors before the (slow) load
         response_format = _response_format(json_schema_path, json_object, logprobs)
+        world = ranks.world()  # under mlx.launch: the ranks this run is shared with
         if prompts_file is not None:
-            items = read_prompts(prompts_file)  # before the (slow) model load
-            run_prompts_file(load(), prompts_file, items, output, options, chat, max_batch, profile)
+            items = read_prompts_everywhere(prompts_file, world)  # before the (slow) model load
+            run_prompts_file(load(), prompts_file, items, output if ranks.speaks() else None, options, chat,
+                             max_batch, profile)
             return
         ids = _check_inputs(prompt, prompt_ids, image, audio, video)
         # Files only (a URL is a name like any other), read before the (slow) model load.
@@ -111,15 +115,18 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
         if pictures:
             api.image_processor(loaded)  # says why a model takes no images
         if ids is None:
-            prompt_input, ids = _encode(loaded, prompt, pictures, **chat)
+            prompt_input, ids = _encode(loaded, prompt, pictures, world, **chat)
         else:
             prompt_input = ids  # raw ids: no chat template
-        view = live_view(loaded) if verbose else None
-        trace = step_trace.for_run(loaded) if trace_path else None
-        if profile:
-            _warm_up(loaded, prompt_input, options)
-        run = _stream(loaded, prompt_input, options, view=view, trace=trace, response_format=response_format,
-                      logprobs=logprobs, echo=not as_json)
+        speaker = ranks.speaks()  # the other ranks run the same loop and show nothing
+        view = live_view(loaded) if verbose and speaker else None
+        trace = step_trace.for_run(loaded) if trace_path and speaker else None
+        with ranks.watched(world) as dog, ranks.busy(dog):
+            if profile:
+                _warm_up(loaded, prompt_input, options, ranks.beating(dog))
+            ranks.reset_counts()  # --profile: this run's collectives, not the warm-up's
+            run = _stream(loaded, prompt_input, options, view=view, trace=trace, response_format=response_format,
+                          logprobs=logprobs, echo=not as_json, cancel=ranks.beating(dog))
     except DlmError as exc:
         fail(str(exc))
     _print_output(run, ids, loaded, as_json=as_json, logprobs=logprobs, profile=profile)
@@ -132,13 +139,13 @@ WARM_UP_LINE = ("Warm-up: one untimed generation (1 token, 1 denoising step, the
                 "MLX builds its kernels on first use (on a fresh machine the CPU backend compiles them)")
 
 
-def _warm_up(loaded, prompt_input, options) -> None:
+def _warm_up(loaded, prompt_input, options, cancel=None) -> None:
     """--profile: one short untimed generation of the same prompt, so that the
     timed run's figures do not include MLX building (compiling, on the CPU
     backend) its kernels on first use."""
     from .. import api
 
-    for _ in api.stream_generate(loaded, prompt_input, {**options, **WARM_UP}):
+    for _ in api.stream_generate(loaded, prompt_input, {**options, **WARM_UP}, cancel):
         pass
 
 
@@ -156,13 +163,14 @@ def _check_inputs(prompt, prompt_ids, image, audio, video) -> list[int] | None:
     return ids
 
 
-def _encode(loaded, prompt, pictures, system, chat_template, thinking):
+def _encode(loaded, prompt, pictures, world, system, chat_template, thinking):
     """(the model's input, the prompt's token ids) for a text prompt, read
-    from stdin when omitted or '-', with the images before it."""
+    from stdin when omitted or '-' (by rank 0 under mlx.launch, which hands it
+    to the others), with the images before it."""
     from .. import api
 
     if prompt is None or prompt == "-":
-        prompt = read_stdin()
+        prompt = ranks.from_rank0(ranks.read_launched_stdin if ranks.launched() else read_stdin, world)
     check_text(prompt, "--prompt")
     if system is not None:
         check_text(system, "--system")
@@ -197,15 +205,17 @@ class _Run:
         self.reasoning.append(event.reasoning)
 
 
-def _stream(loaded, prompt_input, options, *, view, trace, response_format, logprobs, echo: bool) -> _Run:
+def _stream(loaded, prompt_input, options, *, view, trace, response_format, logprobs, echo: bool,
+            cancel=None) -> _Run:
     """Generate; with ``echo`` (no --json), print text to stdout and reasoning
-    to stderr as each canvas/block commits."""
+    to stderr as each canvas/block commits. ``cancel``: polled once per step
+    (under mlx.launch it beats the watchdog)."""
     from .. import api
 
     hooks = {**({"watch": view} if view else {}), **({"step_trace": trace} if trace else {})}
     if response_format is not None:
         hooks.update(response_format=response_format, logprobs=logprobs)
-    events = api.stream_generate(loaded, prompt_input, options, **hooks)
+    events = api.stream_generate(loaded, prompt_input, options, cancel, **hooks)
     if trace is not None:
         events = trace.follow(events)
     run = _Run()
@@ -235,7 +245,8 @@ def _print_output(run: _Run, ids, loaded, *, as_json: bool, logprobs, profile: b
     else:
         click.echo()
     if profile:
-        for line in [WARM_UP_LINE] + profile_lines(stats, loaded):
+        steps = sum(stats.steps_per_block)
+        for line in [WARM_UP_LINE] + profile_lines(stats, loaded) + ranks.profile_line(loaded, steps):
             click.echo(line, err=True)
 
 

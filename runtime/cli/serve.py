@@ -115,6 +115,9 @@ def serve(model_path, revision, host, port, api_key, queue_size, max_batch, max_
         check_options(loaded, defaults)  # refuse flags the family does not take, now
         for note in api.option_warnings(loaded, defaults):
             click.echo(note, err=True)
+        if loaded.world is not None and not loaded.world.primary:
+            _follow(loaded, max_batch, defaults)
+            return
         if model_id is None and not Path(loaded.source).expanduser().is_dir():
             model_id = loaded.source  # a Hub repo id names the model better than its snapshot hash
         fetch = RemoteImages(image_url_max_bytes, image_url_timeout) if allow_image_urls else None
@@ -140,6 +143,14 @@ def serve(model_path, revision, host, port, api_key, queue_size, max_batch, max_
     click.echo(f"dlm-run serve: {app.state.server.model_id} at http://{shown}:{bound}/v1 "
                f"(batch {max_batch}, queue {queue_size}{', API key required' if api_key else ''})", err=True)
     run_server(app, sock, log_level)
+
+
+def _follow(loaded, max_batch: int, defaults: dict) -> None:
+    """A rank other than 0 under mlx.launch: no HTTP; it steps every batch with rank 0
+    (which serves and broadcasts each tick's plan) until rank 0's server stops."""
+    from ..server.lockstep import follow
+
+    follow(loaded, max_batch, defaults.get("memory_budget"))
 
 
 def bind(host: str, port: int) -> socket.socket:

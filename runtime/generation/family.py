@@ -33,6 +33,9 @@ class Family:
     image_processor: Optional[Any] = None  # the image preprocessing class; None: text-only
     # (loaded, options) -> warning lines for options that take effect but the checkpoint was not trained for
     option_warnings: Optional[Callable[..., list[str]]] = None
+    # (model, world) -> lines saying what is split and what replicated: keeps this rank's
+    # share of the loaded weights (runtime/models/shard.py); None: single-process only
+    shard: Optional[Callable[..., list[str]]] = None
 
     @property
     def block_name(self) -> str:

@@ -42,9 +42,21 @@ def scores_materialized() -> bool:
     return mx.default_device() == mx.cpu
 
 
+_FIXED: list = []  # over several ranks: the smallest rank's budget, fixed at load
+
+
+def fix_budget(nbytes: int) -> None:
+    """Over several ranks the budget must be the same on every rank (each admits and
+    refuses the same requests, or their collectives stop pairing up): the loader fixes
+    it at the smallest rank's, rather than each rank reading its own memory later."""
+    _FIXED[:] = [nbytes]
+
+
 def budget_bytes(budget_gb: Optional[float] = None) -> int:
     if budget_gb is not None:
         return int(budget_gb * 1e9)
+    if _FIXED:
+        return _FIXED[0]
     import mlx.core as mx
 
     return max(0, int(DEFAULT_FRACTION * machine_memory_bytes()) - mx.get_active_memory())

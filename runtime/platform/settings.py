@@ -182,8 +182,13 @@ DEBUG_CANVAS = Setting(
     "`1` (or `true`, `yes`, `on`): as `--debug-canvas` (DiffusionGemma): the reference document's fixed canvas "
     "pattern and argmax sampling, for cross-framework parity.")
 
+DISTRIBUTED_TIMEOUT = Setting(
+    "DLM_DISTRIBUTED_TIMEOUT", "count", 300, "`300`",
+    "under `mlx.launch`: seconds a rank may make no progress (a dead or stuck peer) before it stops with an "
+    "error. See [distributed.md](distributed.md).")
+
 SETTINGS: tuple[Setting, ...] = (API_KEY, BLAS, COMPILE, COMPUTE_DTYPE, CPU_DEQUANTIZE, CPU_EXPERTS, CPU_LAYOUT,
-                                 CPU_STREAMS, CPU_VOCAB, DEBUG, DEBUG_CANVAS)
+                                 CPU_STREAMS, CPU_VOCAB, DEBUG, DEBUG_CANVAS, DISTRIBUTED_TIMEOUT)
 
 # --- read by the set-up scripts (scripts/*.sh), declared for the docs ----------
 
@@ -218,6 +223,9 @@ FOREIGN: tuple[Documented, ...] = (
     Documented(("MLX_ENABLE_TF32",), "dlm sets `0` unless set",  # runtime/platform/precision.py
                "MLX: float32 matmuls at TF32 precision on CUDA tensor cores / M5 accelerators when `1` (MLX's own "
                "default). See [install.md](install.md#precision-on-gpus-tf32)."),
+    Documented(("MLX_RANK",), "set by `mlx.launch`",  # runtime/platform/distributed.py
+               "MLX: this process's rank in an `mlx.launch` job; when set, dlm shards the model over the job's "
+               "ranks. See [distributed.md](distributed.md)."),
     Documented(("OPENBLAS_THREAD_TIMEOUT",), "dlm sets `20` unless set (when it loads OpenBLAS)",  # blas.py
                "OpenBLAS: its idle threads spin 2^N cycles after a threaded call before they sleep (OpenBLAS's "
                "default 28, ~0.1 s)."),

@@ -33,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..platform.errors import DlmError, GenerationError
 from ..generation.images import ImageError, ImageLimits, decode, fetch_bodies, open_url
 from ..generation.inputs import PromptInputs
-from .requests import OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat, parse_completion
+from .requests import (OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat, parse_completion,
+                       structured_hooks, structured_spec)
 from ..batch import DEFAULT_MAX_BATCH
 from .responses import JobResponse
 from .worker import GenerationWorker, QueueFull, WorkerStopped
@@ -58,6 +59,9 @@ class _Server:
         self.defaults = {k: v for k, v in defaults.items() if v is not None}
         self.model_id = model_id
         why, self.image_problem = image_support(loaded)
+        self.world = getattr(loaded, "world", None)  # under mlx.launch: this is rank 0 of these ranks
+        if self.world is not None and not why:  # the pixels would have to reach every rank
+            why = f"image input is not available when serving over {self.world.size} ranks yet"
         self.images = images
         self.caps = ModelCaps(family=loaded.family.title, text_only=bool(why), why_text_only=why,
                               max_images=images.max_images)
@@ -75,7 +79,12 @@ class _Server:
         from .. import api
 
         # A runtime of the caller's own (tests), or a family without batching, runs each request alone.
-        if max_batch > 1 and runtime is api and loaded.family.batch is not None:
+        if self.world is not None:  # every rank steps the same batch (lockstep.py)
+            from .lockstep import DistributedWorker
+
+            self.worker = DistributedWorker(loaded, max_batch, self.defaults.get("memory_budget"),
+                                            queue_size=queue_size, after_job=_clear_mlx_cache, runtime=runtime)
+        elif max_batch > 1 and runtime is api and loaded.family.batch is not None:
             from .batch_worker import BatchWorker
 
             self.worker = BatchWorker(loaded, max_batch, self.defaults.get("memory_budget"),
@@ -247,20 +256,19 @@ class _Server:
             raise bad(str(exc)) from None
         loaded, runtime = self.loaded, self.runtime
         prompt = inputs if images else prompt_ids
-        structured = {}
         if req.response_format is not None or req.tools is not None:
             # compiled now, off the event loop: a schema the grammar engine refuses is a 400
             await self.check_structured(req, request)
-        if req.response_format is not None or (req.tools is not None and req.tools.forced):
-            structured = {"response_format": req.response_format, "logprobs": req.logprobs}
-        if req.tools is not None:
-            structured["tools"] = req.tools
+        structured = structured_hooks(req)
 
         def run(cancel):
             return runtime.stream_generate(loaded, prompt, options, cancel=cancel, **structured)
 
+        request_of = None if structured else (prompt, options)
+        if self.world is not None:  # what every rank needs to run it (JSON, broadcast by the worker)
+            request_of = {"prompt": prompt_ids, "options": options, "structured": structured_spec(req, body)}
         try:  # structured runs go alone (the batcher runs unconstrained canvases)
-            job = self.worker.submit(run, request=None if structured else (prompt, options))
+            job = self.worker.submit(run, request=request_of)
         except QueueFull as exc:
             raise RequestError(429, str(exc), err_type="rate_limit_error") from None
         except WorkerStopped as exc:

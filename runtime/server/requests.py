@@ -425,3 +425,34 @@ def parse_completion(body: Any, caps: ModelCaps) -> ParsedRequest:
         raise bad("the prompt is empty", "prompt")
     req.prompt = prompt
     return req
+
+
+def structured_hooks(req: ParsedRequest) -> dict:
+    """The ``stream_generate`` keywords of a request's structured output (response
+    format, logprobs, tools); empty for a plain request."""
+    hooks: dict = {}
+    if req.response_format is not None or (req.tools is not None and req.tools.forced):
+        hooks = {"response_format": req.response_format, "logprobs": req.logprobs}
+    if req.tools is not None:
+        hooks["tools"] = req.tools
+    return hooks
+
+
+def structured_spec(req: ParsedRequest, body: dict) -> Optional[dict]:
+    """The body fields another rank rebuilds ``structured_hooks(req)`` from (JSON,
+    for a distributed server); None for a plain request."""
+    if not structured_hooks(req):
+        return None
+    tools = [body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")] \
+        if req.tools is not None else None
+    return {"response_format": body.get("response_format"), "logprobs": req.logprobs, "tools": tools}
+
+
+def structured_from_spec(spec: dict) -> dict:
+    """``structured_hooks`` of the request ``structured_spec`` described (parsed as rank 0 parsed it)."""
+    req = ParsedRequest(kind="")
+    req.response_format = parse_response_format(spec["response_format"])
+    req.logprobs = spec["logprobs"]
+    if spec["tools"] is not None:
+        req.tools = parse_tools(*spec["tools"])
+    return structured_hooks(req)

@@ -5,11 +5,12 @@ config.py (ModelArgs), weights.py (HF <-> MLX weight map), layers.py + model.py
 generate.py (settings and the per-canvas step), batch.py (batched canvases),
 structured.py (constrained canvases), options.py (generation options), tools.py
 (tool-call syntax), trace.py (--trace records), vision.py (the Gemma 4 vision
-tower and embed_vision), images.py (image preprocessing and prompt placeholders).
+tower and embed_vision), images.py (image preprocessing and prompt placeholders),
+shard.py + parallel.py (one model over the ranks of an ``mlx.launch`` job).
 """
 
 from ...generation.family import Family
-from . import batch, generate, weights
+from . import batch, generate, shard, weights
 from .config import ModelArgs, output_config
 from .images import ImageProcessor
 from .model import Model
@@ -32,6 +33,7 @@ FAMILY = Family(
     tool_syntax=TOOL_SYNTAX,
     reference="dlm.verify.diffusion_gemma.adapter",
     image_processor=ImageProcessor,
+    shard=shard.shard,
 )
 
 __all__ = ["FAMILY", "ImageProcessor", "Model", "ModelArgs", "output_config", "plan_weights", "quant_class",

@@ -350,6 +350,7 @@ class DecoderLayer(nn.Module):
         self.layer_scalar = mx.ones((1,))
         self.index = index
         self._compiled = None
+        self.parallel = None  # a sharded run: this rank's share's forward (parallel.LayerShard)
 
     def _project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(self.input_layernorm(x), offset)
@@ -358,11 +359,17 @@ class DecoderLayer(nn.Module):
         """Everything before the routed experts: the residual h, the dense MLP
         branch, the experts' input and the routing."""
         h = x + self.post_attention_layernorm(self.self_attn.output(attn))
-        m1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        mlp, xe, weights, idx = self.branches(h)
+        return h, self.post_feedforward_layernorm_1(mlp), xe, weights, idx
+
+    def branches(self, h: mx.array):
+        """From the residual h: the dense MLP's output (before its norm), the
+        experts' input and the routing."""
+        mlp = self.mlp(self.pre_feedforward_layernorm(h))
         flat = h.reshape(-1, h.shape[-1])
         weights, idx = self.router(h)  # routed on the raw residual (per sequence: rows.linear)
         weights, idx = weights.reshape(-1, weights.shape[-1]), idx.reshape(-1, idx.shape[-1])
-        return h, m1, self.pre_feedforward_layernorm_2(flat), weights, idx
+        return mlp, self.pre_feedforward_layernorm_2(flat), weights, idx
 
     def _combine(self, h: mx.array, m1: mx.array, m2: mx.array, scalar: mx.array) -> mx.array:
         m2 = self.post_feedforward_layernorm_2(m2.reshape(h.shape))
@@ -400,16 +407,15 @@ class DecoderLayer(nn.Module):
         ``cache`` may be a list, one cache per sequence of a batch (``offset``:
         their offsets, [B]): each sequence attends to its own prefix (and, in
         the encoder, appends to it)."""
+        scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
+        if self.parallel is not None:
+            return self.parallel(self, x, cache, offset, encode, scalar, attention_only, compiled, blocks)
         project, finish = self.compiled() if compiled else (self._project, self._finish)
         q, k, v = project(x, offset)
-        if isinstance(cache, list):
-            attn = self._attend_each(q, k, v, cache, encode)
-        else:
-            attn = self.self_attn.attend(q, k, v, cache, encode, blocks)
+        attn = self.attention(q, k, v, cache, encode, blocks)
         if attention_only:
             _record(None)
             return None
-        scalar = self["layer_scalar"] if layer_scalar is None else layer_scalar
         if _records and not isinstance(finish, tuple):
             finish = (self._mix, self._combine)
         if isinstance(finish, tuple):  # compiled around eager experts
@@ -418,6 +424,13 @@ class DecoderLayer(nn.Module):
             _record(idx)
             return combine(h, m1, self.experts(xe, idx, weights, x.shape[0]), scalar)
         return finish(x, attn, scalar)
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, cache, encode: bool,
+                  blocks: Optional[mx.array] = None) -> mx.array:
+        """The attention output before o_proj, against one prefix cache or a batch's list of them."""
+        if isinstance(cache, list):
+            return self._attend_each(q, k, v, cache, encode)
+        return self.self_attn.attend(q, k, v, cache, encode, blocks)
 
     def _attend_each(self, q: mx.array, k: mx.array, v: mx.array, caches: list[PrefixCache],
                      encode: bool) -> mx.array:

@@ -39,6 +39,7 @@ class DecoderModel(nn.Module):
         self.hidden = args.hidden_size
         self.softcap = args.final_logit_softcapping
         self._compiled = None
+        self.vocab_shard = None  # a sharded run: the vocabulary rows this rank holds (parallel.VocabShard)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -55,9 +56,15 @@ class DecoderModel(nn.Module):
         # sqrt(H) as float32, then cast to the weight dtype (bf16: 53.0, pitfall 15).
         return mx.array(np.float32(math.sqrt(self.hidden))).astype(dtype)
 
-    def embed(self, ids: mx.array) -> mx.array:
+    def scaled(self, x: mx.array) -> mx.array:
+        """Embeddings (looked up or soft) cast to the activation dtype, * sqrt(H)."""
         dtype = self.dtype
-        return self.embed_tokens(ids).astype(dtype) * self._scale(dtype)
+        return x.astype(dtype) * self._scale(dtype)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        if self.vocab_shard is not None:
+            return self.vocab_shard.embed(self, ids)
+        return self.scaled(self.embed_tokens(ids))
 
     def soft_embed(self, sc_logits: mx.array) -> mx.array:
         """softmax_f32(sc_logits) cast to the embedding dtype, @ W_E, * sqrt(H)."""
@@ -65,8 +72,13 @@ class DecoderModel(nn.Module):
 
     def embed_probs(self, probs: mx.array) -> mx.array:
         """soft_embed from the softmax already taken (the denoising step's: canvas.py)."""
-        dtype = self.dtype
-        p = probs.astype(dtype)
+        if self.vocab_shard is not None:
+            return self.vocab_shard.embed_probs(self, probs)
+        return self.scaled(self.probs_product(probs))
+
+    def probs_product(self, probs: mx.array) -> mx.array:
+        """probs (cast to the activation dtype) @ W_E, unscaled, over the rows this module holds."""
+        p = probs.astype(self.dtype)
         e = self.embed_tokens
         if wants(e, p):  # dequantized per vocabulary slice (CPU backend)
             s = embedding_matmul(e, p)
@@ -78,19 +90,29 @@ class DecoderModel(nn.Module):
             s = split_positions(qmm, p) if self.split_vocab else qmm(p)
         else:
             s = matmul(p, e["weight"])  # one GEMM per sequence of a batch
-        return s.astype(dtype) * self._scale(dtype)
+        return s
 
     def inputs(self, canvas: mx.array, sc_logits: Optional[mx.array] = None) -> mx.array:
         """Decoder input: self-conditioning block over the scaled canvas embeddings."""
+        if self.vocab_shard is not None and sc_logits is not None:  # one all_sum for both embeddings
+            return self.inputs_probs(canvas, mx.softmax(sc_logits.astype(mx.float32), axis=-1))
         soft = None if sc_logits is None else self.soft_embed(sc_logits)
         return self.self_conditioning(self.embed(canvas), soft)
 
     def inputs_probs(self, canvas: mx.array, sc_probs: mx.array) -> mx.array:
         """``inputs`` from the self-conditioning softmax itself (sc_probs)."""
+        if self.vocab_shard is not None:
+            return self.vocab_shard.inputs_probs(self, canvas, sc_probs)
         return self.self_conditioning(self.embed(canvas), self.embed_probs(sc_probs))
 
     def project(self, h: mx.array) -> mx.array:
         """Tied-embedding logits in the model dtype (before the softcap)."""
+        if self.vocab_shard is not None:
+            return self.vocab_shard.project(self, h)
+        return self.local_logits(h)
+
+    def local_logits(self, h: mx.array) -> mx.array:
+        """``project`` over the vocabulary rows this module holds."""
         x = self.norm(h)
         if self.split_vocab:
             return split_positions(lambda rows: self.embed_tokens.as_linear(rows), x)
@@ -110,7 +132,9 @@ class DecoderModel(nn.Module):
     def compiled(self) -> "Ends":
         if self._compiled is None:  # implicit inputs: only what these read (not the layers)
             ends = Ends(self.inputs, self.inputs_probs, self.head)
-            if not (self.split_vocab or per_call(self.embed_tokens)):  # else eager: a vocabulary slice at a time
+            # Else eager: a vocabulary slice at a time, or (sharded) the vocabulary's
+            # collectives between the ops, each issued and counted once per call.
+            if not (self.split_vocab or per_call(self.embed_tokens) or self.vocab_shard is not None):
                 state = [self.embed_tokens.state, self.norm.state, self.self_conditioning.state]
                 inputs, inputs_probs, project = (mx.compile(fn, inputs=state)
                                                  for fn in (self.inputs, self.inputs_probs, self.project))

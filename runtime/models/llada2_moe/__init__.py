@@ -4,7 +4,7 @@ config.py (ModelArgs), weights.py (HF <-> MLX weight map), model.py (MLX
 modules, KV cache, block-causal mask), sampling.py (per-step rules),
 generate.py (block unmasking and editing), batch.py (batched blocks),
 structured.py (constrained blocks), options.py (generation options), tools.py
-(tool-call syntax), trace.py (--trace records).
+(tool-call syntax), trace.py (--trace records), shard.py (over several ranks).
 """
 
 from ...generation.family import Family
@@ -12,6 +12,7 @@ from . import batch, generate, weights
 from .config import ModelArgs, output_config
 from .model import Model, block_causal_mask
 from .options import OPTIONS, REFUSED
+from .shard import shard
 from .tools import TOOL_SYNTAX
 from .weights import plan_weights, quant_class, sanitize, to_hf
 
@@ -30,6 +31,7 @@ FAMILY = Family(
     tool_syntax=TOOL_SYNTAX,
     reference="dlm.verify.llada2_moe.adapter",
     option_warnings=generate.option_warnings,
+    shard=shard,
 )
 
 __all__ = ["FAMILY", "Model", "ModelArgs", "block_causal_mask", "output_config", "plan_weights", "quant_class",

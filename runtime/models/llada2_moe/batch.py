@@ -376,7 +376,7 @@ def forward(model, ids: mx.array, caches: list[list], masks: list, last: int,
     under its own mask, its layers' pieces compiled as alone: float32 logits
     [B, last, V]; with ``rows`` (one entry per window: its positions, or None),
     a list of each window's logits, its head run on its rows as alone."""
-    h = model.model.word_embeddings(ids)
+    h = model.embed(ids)
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
     for i, layer in enumerate(model.model.layers):
         h = layer(h, offsets, masks, [c[i] for c in caches], model.compile)

@@ -12,10 +12,12 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...platform.distributed import all_sum, gather_last
 from ...platform.errors import GenerationError
 from ..base import compile_enabled
 from ..cpu.streams import split_positions
 from ..rows import as_linear, linear, linear_each, matmul
+from ..shard import local_routes
 from ..cpu.dequant import per_call, splits, wants
 from ..switch import SwitchLinear, SwitchMLP, dense
 from ..taps import layer_input
@@ -66,7 +68,8 @@ class SwitchGLU(SwitchMLP):
 
         h = nn.silu(all_experts(self.gate_proj)) * all_experts(self.up_proj)  # [T, k, inter]
         h = (h.astype(mx.float32) * weights[..., None]).astype(x.dtype)
-        spread = mx.put_along_axis(mx.zeros((T, E, inter), dtype=h.dtype), indices[..., None], h, axis=1)
+        # Added, not put: under expert parallelism a token's foreign slots share local expert 0 (weight 0).
+        spread = mx.zeros((T, E, inter), dtype=h.dtype).at[mx.arange(T)[:, None], indices].add(h)
         down = self.down_proj["weight"].transpose(0, 2, 1).reshape(E * inter, H)
         return matmul(spread.reshape(S, n, E * inter), down).astype(mx.float32)
 
@@ -146,6 +149,7 @@ class Attention(nn.Module):
             self.key_layernorm = RMSNorm(self.d, args.rms_norm_eps)
         self.rotary_dim, self.theta = args.rotary_dim, args.rope_theta
         self.scale = self.d ** -0.5
+        self.world = None  # heads split over these ranks (shard.py): ``dense`` sums over them
 
     def project(self, x, offset):
         """q, k, v as [B, heads, L, d]: QK-normed, then RoPE'd at positions offset.. (an
@@ -170,7 +174,8 @@ class Attention(nn.Module):
 
     def output(self, o):
         B, _, L, _ = o.shape
-        return _linear(self.dense, o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        y = _linear(self.dense, o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return y if self.world is None else all_sum(y, self.world)
 
     def _attend_each(self, q, k, v, masks: list, caches: list[CommittedKVCache]):
         """A batch's attention, each sequence against its own cache. Sequences
@@ -203,9 +208,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.world = None  # a dense layer's features split over these ranks (shard.py)
+
+    def partial(self, x):
+        """This rank's share of the output (all of it on one process)."""
+        return _linear(self.down_proj, nn.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
 
     def __call__(self, x):
-        return _linear(self.down_proj, nn.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
+        y = self.partial(x)
+        return y if self.world is None else all_sum(y, self.world)
 
 
 class Gate(nn.Module):
@@ -279,6 +290,9 @@ class SparseMoe(nn.Module):
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
         if args.num_shared_experts:
             self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)
+        # Expert parallel (shard.py): this rank holds experts [lo, hi) and sums the layer over the
+        # ranks; shared experts left whole are added by one rank only.
+        self.world, self.experts_held, self.shared_here = None, None, True
 
     @property
     def eager(self) -> bool:
@@ -295,16 +309,19 @@ class SparseMoe(nn.Module):
     def routed(self, x, t, idx, w):
         """The routed experts' weighted sum of ``route``'s rows, float32."""
         S, sw = x.shape[0], self.switch_mlp
+        if self.experts_held is not None:
+            idx, w = local_routes(idx, w, *self.experts_held)
         if dense(t.shape[0] // S, *sw.projections):
             return sw.weighted(x, idx, w)
         return (sw(t, idx, S).astype(mx.float32) * w[..., None]).sum(1)  # [T, k, H] summed
 
     def combine(self, x, y):
-        """The routed sum ``y`` in ``x``'s dtype, plus the shared experts."""
+        """The routed sum ``y`` in ``x``'s dtype, plus the shared experts (over the
+        ranks: both partials in one sum)."""
         y = y.astype(x.dtype).reshape(x.shape)
-        if "shared_experts" in self:
-            y = y + self.shared_experts(x)
-        return y
+        if "shared_experts" in self and self.shared_here:
+            y = y + self.shared_experts.partial(x)
+        return y if self.world is None else all_sum(y, self.world)
 
     def __call__(self, x):
         return self.combine(x, self.routed(x, *self.route(x)))
@@ -393,6 +410,18 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.compile = compile_enabled()
+        # The vocabulary split over these ranks (shard.py): rows [lo, hi) of the head and the embedding.
+        self.world, self.vocab_held = None, None
+
+    def embed(self, inputs):
+        """The token embeddings; a vocabulary-split table looks up its own rows and sums."""
+        table = self.model.word_embeddings
+        if self.vocab_held is None:
+            return table(inputs)
+        lo, hi = self.vocab_held
+        mine = (inputs >= lo) & (inputs < hi)
+        h = table(mx.where(mine, inputs - lo, 0)) * mine[..., None]
+        return all_sum(h, self.world)
 
     @property
     def layers(self):
@@ -428,7 +457,7 @@ class Model(nn.Module):
         step (a prompt's prefill stays eager: each new length would trace anew).
         """
         compiled = compiled and self.compile and collect is None
-        h = self.model.word_embeddings(inputs)
+        h = self.embed(inputs)
         offset = cache[0].offset if cache else 0
         if compiled:
             offset = mx.array(offset, dtype=mx.int32)
@@ -457,7 +486,11 @@ class Model(nn.Module):
             return as_linear(module, rows) if tied else linear(module, rows)
 
         out = split_positions(project, h) if splits(module) else project(h)
-        return out.astype(mx.float32)
+        return self._gathered(out.astype(mx.float32))
+
+    def _gathered(self, logits):
+        """A vocabulary-split head's logits, joined over the ranks in vocabulary order."""
+        return logits if self.vocab_held is None else gather_last(logits, self.world, self.args.vocab_size)
 
     def heads(self, hs: list[mx.array]) -> list[mx.array]:
         """``head`` of each of ``hs`` (a batch's sequences, each with its own
@@ -467,7 +500,7 @@ class Model(nn.Module):
         shared = [i for i, h in enumerate(hs) if wants(module, h)]
         out = [None if i in shared else self.head(h) for i, h in enumerate(hs)]
         for i, y in zip(shared, linear_each(module, [hs[i] for i in shared])):
-            out[i] = y.astype(mx.float32)
+            out[i] = self._gathered(y.astype(mx.float32))
         return out
 
     @staticmethod
