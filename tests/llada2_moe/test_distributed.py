@@ -15,7 +15,7 @@ from dlm.runtime.models.llada2_moe.shard import shard
 from dlm.runtime.platform.distributed import DistributedError, World
 from tests import ROOT
 from tests.builders import build_llada2, build_llada22, convert_dir
-from tests.distributed import launch
+from tests.distributed import read, start
 from tests.llada2_moe import distributed_run
 
 SCRIPT = str(ROOT / "tests" / "llada2_moe" / "distributed_run.py")
@@ -31,12 +31,6 @@ def models(tmp_path_factory):
             "v22": convert_dir(root / "hf22", root / "v22")}
 
 
-def _launched(n: int, dirs: list, out) -> dict:
-    r = launch(n, [sys.executable, SCRIPT, *map(str, dirs), str(out)], timeout=300)
-    assert out.exists(), r.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
 def _same(alone: dict, ranks: dict) -> None:
     assert ranks["generate"] == alone["generate"]
     assert ranks["batch"] == alone["batch"]
@@ -44,11 +38,24 @@ def _same(alone: dict, ranks: dict) -> None:
     assert np.abs(np.array(ranks["logits"]) - np.array(alone["logits"])).max() < 1e-4
 
 
-def test_two_ranks_equal_one_process(models, tmp_path):
-    dirs = [models["float"], models["q4"], models["v22"]]  # one launch for the three
-    got = _launched(2, dirs, tmp_path / "two.json")
+def _compared(n: int, dirs: list, out) -> dict:
+    """The ranks' results ({dir: results}); the single-process twins are computed
+    meanwhile, in this process, and checked against them."""
+    proc = start(n, [sys.executable, SCRIPT, *map(str, dirs), str(out)])
+    alone = {str(d): distributed_run.results(str(d)) for d in dirs}
+    try:
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert out.exists(), read(proc.err)[-3000:]
+    got = json.loads(out.read_text())
     for d in dirs:
-        _same(distributed_run.results(str(d)), got[str(d)])
+        _same(alone[str(d)], got[str(d)])
+    return got
+
+
+def test_two_ranks_equal_one_process(models, tmp_path):
+    got = _compared(2, [models["float"], models["q4"], models["v22"]], tmp_path / "two.json")
     notes = got[str(models["float"])]["notes"]
     assert "attention heads split (2 query / 1 KV heads per rank)" in notes
     assert "experts split (8 of 16 on rank 0); router replicated" in notes
@@ -56,10 +63,7 @@ def test_two_ranks_equal_one_process(models, tmp_path):
 
 
 def test_three_ranks_split_unevenly(models, tmp_path):
-    dirs = [models["float"]]
-    got = _launched(3, dirs, tmp_path / "three.json")
-    for d in dirs:
-        _same(distributed_run.results(str(d)), got[str(d)])
+    got = _compared(3, [models["float"]], tmp_path / "three.json")
     notes = got[str(models["float"])]["notes"]
     assert "attention replicated (4 query / 2 KV heads over 3 ranks)" in notes  # 2 KV heads: no 3-way split
     assert "experts split (6 of 16 on rank 0); router replicated" in notes  # 6, 5, 5
