@@ -34,9 +34,16 @@ def _take(module: nn.Module, name: str, value: mx.array) -> None:
 
 def keep_rows(module: nn.Module, lo: int, hi: int) -> None:
     """Output rows [lo, hi) of every array of ``module`` (Linear, QuantizedLinear, Embedding)."""
+    keep_row_ranges(module, [(lo, hi)])
+
+
+def keep_row_ranges(module: nn.Module, ranges: list[tuple[int, int]]) -> None:
+    """The output rows of ``ranges``, in order (a fused projection's per-head pieces)."""
     for name in _ARRAYS:
         if name in module:
-            _take(module, name, module[name][lo:hi])
+            a = module[name]
+            _take(module, name, a[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
+                  else mx.concatenate([a[lo:hi] for lo, hi in ranges]))
 
 
 def keep_cols(module: nn.Module, lo: int, hi: int, keep_bias: bool) -> None:

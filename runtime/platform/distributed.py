@@ -52,6 +52,12 @@ class World:
         ``n % size`` ranks take one more."""
         return span(n, self.size, self.rank)
 
+    def vocab_span(self, n: int) -> tuple[int, int]:
+        """This rank's vocabulary rows [lo, hi): equal widths of ceil(n / size), the last
+        rank's shorter, so that ``gather_last`` joins them in vocabulary order."""
+        width = -(-n // self.size)
+        return min(n, self.rank * width), min(n, (self.rank + 1) * width)
+
 
 def span(n: int, size: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(n, size)
@@ -122,8 +128,11 @@ def all_gather(x: mx.array, w: World) -> mx.array:
 
 
 def gather_last(x: mx.array, w: World, total: int) -> mx.array:
-    """Each rank's slice along the last axis (equal widths, the last ones padded),
-    joined in rank order and cut to ``total``: a vocabulary-sharded head's logits."""
+    """Each rank's ``vocab_span(total)`` slice along the last axis, joined in rank order:
+    a vocabulary-split head's logits (the last rank's short slice padded for the gather)."""
+    pad = -(-total // w.size) - x.shape[-1]
+    if pad:
+        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     parts = all_gather(x, w)  # [size, ..., n]
     joined = mx.moveaxis(parts, 0, -2)  # [..., size, n]
     return joined.reshape(*x.shape[:-1], -1)[..., :total]

@@ -27,19 +27,11 @@ from ..shard import local_routes
 from .layers import _record
 
 
-def vocab_span(n: int, w: World) -> tuple[int, int]:
-    """This rank's vocabulary rows [lo, hi): equal widths of ceil(n / size), the last
-    rank's shorter, as ``gather_last`` joins them (its padding must come last)."""
-    width = -(-n // w.size)
-    return min(n, w.rank * width), min(n, (w.rank + 1) * width)
-
-
 class VocabShard:
     """The tied embedding / output head holding rows [lo, hi) of ``total`` on this rank."""
 
     def __init__(self, world: World, lo: int, hi: int, total: int):
         self.world, self.lo, self.hi, self.total = world, lo, hi, total
-        self.width = -(-total // world.size)
 
     def lookup(self, dec, ids: mx.array) -> mx.array:
         """This rank's part of the unscaled embeddings: its rows, zeros for other ids
@@ -67,12 +59,8 @@ class VocabShard:
 
     def project(self, dec, h: mx.array) -> mx.array:
         """Logits over the whole vocabulary (model dtype, before the softcap): this
-        rank's columns, padded to the common width, gathered in rank order."""
-        local = dec.local_logits(h)
-        pad = self.width - local.shape[-1]
-        if pad:
-            local = mx.pad(local, [(0, 0)] * (local.ndim - 1) + [(0, pad)])
-        return gather_last(local, self.world, self.total)
+        rank's columns, gathered in rank order."""
+        return gather_last(dec.local_logits(h), self.world, self.total)
 
 
 class Pieces(NamedTuple):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ...platform.distributed import DistributedError, World, span
 from ..shard import keep_cols, keep_experts, keep_rows
 from .config import SLIDING
-from .parallel import LayerShard, VocabShard, vocab_span
+from .parallel import LayerShard, VocabShard
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def shard(model, world: World) -> list[str]:
     plans = [_plan_layer(layer, args, world) for layer in dec.layers]
     for layer, plan in zip(dec.layers, plans):
         _shard_layer(layer, plan, world)
-    lo, hi = vocab_span(args.vocab_size, world)
+    lo, hi = world.vocab_span(args.vocab_size)
     keep_rows(dec.embed_tokens, lo, hi)
     if hasattr(dec.embed_tokens, "num_embeddings"):
         dec.embed_tokens.num_embeddings = hi - lo

@@ -21,26 +21,16 @@ mx.compile), so the collectives are counted per call.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from ...platform.distributed import DistributedError, World, span
-from ..shard import keep_cols, keep_experts, keep_rows
+from ..shard import keep_cols, keep_experts, keep_row_ranges, keep_rows
 from .model import MLP, SparseMoe
 
 
 def _unit(module: nn.Module) -> int:
     """The input features a column split must keep together: a quantization group."""
     return module.group_size if "scales" in module else 1
-
-
-def _rows(module: nn.Module, ranges: list[tuple[int, int]]) -> None:
-    """Keep the output rows of ``ranges`` (in order) of every array of a linear."""
-    for name in ("weight", "scales", "biases", "bias"):
-        if name in module:
-            value = mx.concatenate([module[name][a:b] for a, b in ranges])
-            module[name] = mx.contiguous(value)
-            mx.eval(module[name])
 
 
 def _attention(attn, w: World) -> str:
@@ -50,7 +40,7 @@ def _attention(attn, w: World) -> str:
         return f"attention replicated ({hq} query / {hkv} KV heads over {w.size} ranks)"
     qlo, qhi = w.span(hq)
     klo, khi = w.span(hkv)
-    _rows(attn.query_key_value, [(qlo * d, qhi * d), ((hq + klo) * d, (hq + khi) * d),
+    keep_row_ranges(attn.query_key_value, [(qlo * d, qhi * d), ((hq + klo) * d, (hq + khi) * d),
                                  ((hq + hkv + klo) * d, (hq + hkv + khi) * d)])
     keep_cols(attn.dense, qlo * d, qhi * d, keep_bias=w.primary)
     attn.hq, attn.hkv, attn.world = qhi - qlo, khi - klo, w
@@ -87,22 +77,15 @@ def _experts(moe: SparseMoe, w: World) -> str:
 
 
 def _vocabulary(model, w: World) -> str:
-    """Head and embedding rows ``ceil(V / N)`` per rank, the last rank's padded with zero rows."""
+    """Head and embedding rows ``vocab_span(V)``: ceil(V / N) per rank, the last one's fewer."""
     if model.args.tie_word_embeddings:
         return "vocabulary replicated (tied head)"
     V = model.args.vocab_size
-    width = -(-V // w.size)
-    lo, hi = min(w.rank * width, V), min((w.rank + 1) * width, V)
+    lo, hi = w.vocab_span(V)
     for module in (model.lm_head, model.model.word_embeddings):
         keep_rows(module, lo, hi)
-        pad = width - (hi - lo)
-        if pad:
-            for name in ("weight", "scales", "biases"):
-                if name in module:
-                    a = module[name]
-                    module[name] = mx.concatenate([a, mx.zeros((pad, *a.shape[1:]), dtype=a.dtype)])
     model.vocab_held, model.world = (lo, hi), w
-    return f"vocabulary split ({width} of {V} rows of the head and the embedding per rank)"
+    return f"vocabulary split ({-(-V // w.size)} of {V} rows of the head and the embedding per rank)"
 
 
 def shard(model, w: World) -> list[str]:
