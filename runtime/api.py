@@ -9,6 +9,8 @@
 
     # Many prompts in shared forwards, each with its own options (same results as alone).
     results = api.generate_batch(loaded, [ids, other_ids], [{"seed": 0}, {"seed": 1, "max_tokens": 32}])
+    # Structured and tool-call prompts batch too: one value for every prompt, or one per prompt.
+    results = api.generate_batch(loaded, [ids, other_ids], response_format=[{"type": "json_object"}, None])
 
     # Images (DiffusionGemma with a vision tower): paths, bytes, data: URLs or PIL images.
     inputs = api.encode_inputs(loaded, "What is in this picture?", images=["cat.png"])
@@ -27,6 +29,8 @@ from typing import Callable, Iterator, Optional
 from .platform.errors import ConfigError, DlmError, GenerationError
 from .generation.events import GenerationEvent, GenerationStats
 from .generation.inputs import PromptInputs, check_text, split_prompt
+from .generation.prefix_cache import PrefixCache  # noqa: F401  (api.PrefixCache)
+from .generation.shaping import ToolCalls, shape, structured_output, tool_format  # noqa: F401  (re-exported)
 from .loader import LoadedModel
 from .loader import load as _load
 
@@ -245,64 +249,10 @@ def image_processor(loaded: LoadedModel):
     return loaded.image_processor
 
 
-def tool_format(loaded: LoadedModel, tools):
-    """The response format that forces ``tools``' calls (a ToolRequest whose
-    tool_choice is "required" or a function), or None."""
-    if tools is None or not tools.forced:
-        return None
-    from .structured.formats import TOOL_CALLS, ResponseFormat
-    from .structured.tools import call_grammar
-    from .generation.text import token_id
-
-    lark = call_grammar(tools, loaded.family.tool_syntax, lambda text: token_id(loaded.tokenizer, text))
-    return ResponseFormat(TOOL_CALLS, {}, where="tool_choice", lark=lark)
-
-
-# The budget a forced tool call gets when the request sets no max_tokens (the
-# checkpoint's default can be far shorter than one call: the demo's is 32).
-FORCED_CALL_TOKENS = 512
-
-
 def _split_tool_calls(events: Iterator[GenerationEvent], syntax,
                       forced_budget: Optional[int] = None) -> Iterator[GenerationEvent]:
-    """Events with the model's tool calls taken out of the text (structured.toolcalls).
-    ``forced_budget``: the max_tokens of a forced tool_choice, whose run must end
-    with complete calls: one cut short by the budget is an error, never markup
-    left in the content."""
-    from .structured.toolcalls import ToolCallSplitter
-
-    splitter = ToolCallSplitter(syntax)
-    for event in events:
-        if forced_budget is not None and event.done and event.finish_reason == "length":
-            text, calls = splitter.feed(event.text)  # an open call stays held back
-            if splitter.buffer.startswith(syntax.open) or not splitter.calls:  # a call begun, not closed
-                raise GenerationError(
-                    f"tool_choice forces a tool call, but max_tokens ({forced_budget}) ran out before the call "
-                    "was complete; raise max_tokens")
-            rest, more = splitter.feed("", final=True)
-            event.text, event.tool_calls = text + rest, calls + more
-        else:
-            event.text, event.tool_calls = splitter.feed(event.text, final=event.done)
-        if event.done and splitter.calls and event.finish_reason == "stop":
-            event.finish_reason = "tool_calls"
-        yield event
-
-
-def structured_output(response_format=None, logprobs: Optional[int] = None):
-    """The ``structured`` hook for a response format (OpenAI's ``response_format``
-    dict, a ResponseFormat, or None for plain text), or None; ``logprobs``: report
-    each token's log-probability and that many most likely allowed alternatives."""
-    from .structured import Structured, parse_response_format
-
-    fmt = parse_response_format(response_format)
-    if fmt is None:
-        if logprobs is not None:
-            raise GenerationError("logprobs are reported for structured output only (give a response format)")
-        return None
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                 or not 0 <= logprobs <= 20):
-        raise GenerationError(f"logprobs must be an integer in [0, 20], got {logprobs!r}")
-    return Structured(fmt, logprobs)
+    """Events with the model's tool calls taken out of the text (generation.shaping.ToolCalls)."""
+    return ToolCalls(syntax, forced_budget).stream(events)
 
 
 def stream_generate(
@@ -326,34 +276,19 @@ def stream_generate(
     family's loop; every family takes ``watch(block_index, step, token_ids)``
     (the canvas/block after each step) and ``prefix`` (a
     ``dlm.runtime.generation.progress.PrefixState`` kept across runs, as ``dlm-run chat``
-    does), and ``step_trace`` (a ``dlm.runtime.trace.Trace`` that records every
+    does), ``prefix_cache`` (a ``PrefixCache`` shared across runs and requests:
+    the prompt skips the prefill of the chunks it holds, results unchanged),
+    and ``step_trace`` (a ``dlm.runtime.trace.Trace`` that records every
     denoising step, as ``dlm-run generate --trace`` does); ``on_step`` is the
     family's own parity hook."""
-    gen = loaded.family.generation
-    settings = loaded.settings(dict(options or {}))
     ids, images = split_prompt(prompt)
     if images:
         hooks["images"] = images
-    if tools is not None and not hasattr(tools, "forced"):  # OpenAI tool dicts: tool_choice "auto"
-        from .structured.tools import parse_tools
-
-        tools = parse_tools(list(tools))
-    forced = tool_format(loaded, tools)
-    if forced is not None:
-        if response_format is not None:
-            raise GenerationError("a forced tool_choice and a response_format cannot both shape the output")
-        response_format = forced
-        if (options or {}).get("max_tokens") is None:  # room for a whole call, within the context
-            room = loaded.args.max_position_embeddings - len(ids)
-            if settings.max_tokens < min(FORCED_CALL_TOKENS, room):
-                settings = loaded.settings({**(options or {}), "max_tokens": min(FORCED_CALL_TOKENS, room)})
-    structured = structured_output(response_format, logprobs)
-    if structured is not None:
-        hooks["structured"] = structured
-    events = gen.stream_generate(loaded, ids, settings, cancel, **hooks)
-    if tools is None:
-        return events
-    return _split_tool_calls(events, loaded.family.tool_syntax, settings.max_tokens if forced else None)
+    shaping = shape(loaded, options, len(ids), response_format, logprobs, tools)
+    if shaping.structured is not None:
+        hooks["structured"] = shaping.structured
+    events = loaded.family.generation.stream_generate(loaded, ids, shaping.settings, cancel, **hooks)
+    return events if shaping.tool_calls is None else shaping.tool_calls.stream(events)
 
 
 def generate(
@@ -381,49 +316,98 @@ def _take(result: GenerationResult, event: GenerationEvent) -> None:
     result.tool_calls.extend(event.tool_calls)
 
 
+class BatchError(GenerationError):
+    """Prompts of a batch whose runs raised (each what ``generate`` raises for it
+    alone: a failed prefill, a forced tool call cut short by max_tokens); every
+    other prompt ran to its end. ``errors``: prompt index -> its exception;
+    ``results`` (``generate_batch``): every prompt's GenerationResult, a failed
+    one's holding what it committed before (its finish_reason None)."""
+
+    def __init__(self, errors: dict, results: Optional[list] = None):
+        self.errors, self.results = errors, results
+        super().__init__("; ".join(f"prompt {i}: {exc}" for i, exc in sorted(errors.items())))
+
+
+def _per_prompt(value, count: int, name: str, many: bool) -> list:
+    """``value`` for each of ``count`` prompts: the list itself when ``many``, else one value for all."""
+    values = list(value) if many else [value] * count
+    if len(values) != count:
+        raise GenerationError(f"{count} prompts need as many {name} entries (got {len(values)})")
+    return values
+
+
 def stream_generate_batch(
     loaded: LoadedModel, prompts: list, options=None, *, max_batch: Optional[int] = None,
-    memory_budget: Optional[float] = None, cancel: Optional[list] = None,
+    memory_budget: Optional[float] = None, cancel: Optional[list] = None, response_format=None,
+    logprobs=None, tools=None, prefix_cache: Optional[PrefixCache] = None,
 ) -> Iterator[tuple[int, GenerationEvent]]:
     """Generate for many prompts at once (dlm.runtime.batch): (prompt index,
     event) pairs as canvases/blocks commit, each prompt's final event last.
     ``options``: one dict for every prompt, or a list with one per prompt
     (seed, max_tokens, sampler settings...); ``cancel``: None or a list of
-    callables (or None), one per prompt. Every prompt gets what
-    ``stream_generate`` gives it alone. Up to ``max_batch`` prompts (default
-    ``dlm.runtime.batch.DEFAULT_MAX_BATCH``) run together, within the memory
-    budget; the rest wait their turn. Bad prompts or options raise
-    GenerationError, naming the prompt, before anything runs."""
+    callables (or None), one per prompt. ``response_format``, ``logprobs``,
+    ``tools`` (as ``stream_generate`` takes them): one value for every prompt,
+    or a list with one per prompt (for ``tools``, a list of OpenAI tool dicts
+    is one value; a per-prompt list holds None, ToolRequests or such lists).
+    Structured and tool-call prompts batch with plain ones. Every prompt gets
+    what ``stream_generate`` gives it alone. Up to ``max_batch`` prompts
+    (default ``dlm.runtime.batch.DEFAULT_MAX_BATCH``) run together, within the
+    memory budget; the rest wait their turn. Bad prompts, options or formats
+    raise GenerationError, naming the prompt, before anything runs. A prompt
+    whose run raises (what ``generate`` raises for it alone) has no final
+    event and the others go on: once they have all ended, BatchError names
+    every failed prompt. ``prefix_cache``: a PrefixCache the prompts share
+    (and other runs given it): a prompt skips the prefill of the chunks it
+    holds, results unchanged."""
     from .batch import DEFAULT_MAX_BATCH, Batcher
 
     prompts = list(prompts)
-    per = list(options) if isinstance(options, (list, tuple)) else [options] * len(prompts)
-    cancels = list(cancel) if cancel is not None else [None] * len(prompts)
-    if len(per) != len(prompts) or len(cancels) != len(prompts):
-        raise GenerationError(f"{len(prompts)} prompts need as many options and cancel entries "
-                              f"(got {len(per)} and {len(cancels)})")
-    batcher = Batcher(loaded, max_batch or DEFAULT_MAX_BATCH, memory_budget)
-    for i, (prompt, opts, stop) in enumerate(zip(prompts, per, cancels)):
+    n = len(prompts)
+    per = _per_prompt(options, n, "options", isinstance(options, (list, tuple)))
+    cancels = _per_prompt(cancel, n, "cancel", cancel is not None)
+    formats = _per_prompt(response_format, n, "response_format", isinstance(response_format, (list, tuple)))
+    counts = _per_prompt(logprobs, n, "logprobs", isinstance(logprobs, (list, tuple)))
+    many_tools = isinstance(tools, (list, tuple)) and not any(isinstance(t, dict) for t in tools)
+    toolsets = _per_prompt(tools, n, "tools", many_tools)
+    batcher = Batcher(loaded, max_batch or DEFAULT_MAX_BATCH, memory_budget, prefix_cache)
+    for i, (prompt, opts, stop, fmt, k, own) in enumerate(zip(prompts, per, cancels, formats, counts, toolsets)):
         try:
-            batcher.add(prompt, opts, stop, key=i)
+            batcher.add(prompt, opts, stop, key=i, response_format=fmt, logprobs=k, tools=own)
         except GenerationError as exc:
             raise GenerationError(f"prompt {i}: {exc}") from None
-    for entry, event in batcher.run():
-        yield entry.key, event
+    errors: dict[int, Exception] = {}
+    while not batcher.idle:
+        for entry, event in batcher.step():
+            yield entry.key, event
+        for entry, exc in batcher.failed:
+            errors[entry.key] = exc
+        batcher.failed.clear()
+    if errors:
+        raise BatchError(errors)
 
 
 def generate_batch(
     loaded: LoadedModel, prompts: list, options=None, *, max_batch: Optional[int] = None,
     memory_budget: Optional[float] = None, cancel: Optional[list] = None,
-    on_event: Optional[Callable[[int, GenerationEvent], None]] = None,
+    on_event: Optional[Callable[[int, GenerationEvent], None]] = None, response_format=None,
+    logprobs=None, tools=None, prefix_cache: Optional[PrefixCache] = None,
 ) -> list[GenerationResult]:
     """``generate`` for many prompts in shared forwards: one GenerationResult per
-    prompt, in order, each what ``generate`` returns for it alone (see
-    ``stream_generate_batch``; ``on_event(index, event)`` sees every event)."""
+    prompt, in order, each what ``generate`` returns for it alone (logprobs,
+    tool_calls and finish_reason "tool_calls" included; see
+    ``stream_generate_batch`` for the keywords; ``on_event(index, event)`` sees
+    every event). A prompt whose run raises fails alone: BatchError, raised
+    once every prompt has ended, names it and carries every result."""
     results = [GenerationResult() for _ in prompts]
-    for i, event in stream_generate_batch(loaded, prompts, options, max_batch=max_batch,
-                                          memory_budget=memory_budget, cancel=cancel):
-        _take(results[i], event)
-        if on_event is not None:
-            on_event(i, event)
+    try:
+        for i, event in stream_generate_batch(loaded, prompts, options, max_batch=max_batch,
+                                              memory_budget=memory_budget, cancel=cancel,
+                                              response_format=response_format, logprobs=logprobs, tools=tools,
+                                              prefix_cache=prefix_cache):
+            _take(results[i], event)
+            if on_event is not None:
+                on_event(i, event)
+    except BatchError as exc:
+        exc.results = results
+        raise
     return results

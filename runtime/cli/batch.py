@@ -46,6 +46,10 @@ def batch_options(func):
                      help="With --prompts-file: the results JSONL file ['-': stdout]."),
         click.option("--max-batch", type=click.IntRange(min=1), default=None,
                      help="With --prompts-file: prompts generated together [8]; 1: one at a time."),
+        click.option("--prefix-cache-gb", type=click.FloatRange(min=0), default=None,
+                     help="With --prompts-file: GB of prompt prefills the prompts share (a prompt skips the "
+                          "prefill of a prefix computed before, results unchanged); 0: off "
+                          "[10% of the memory budget]."),
     )
     for option in reversed(options):
         func = option(func)
@@ -276,11 +280,12 @@ def result_record(index: int, item: dict, prompt_ids: list[int], result) -> dict
     return record
 
 
-def check_flags(prompts_file: Optional[str], output, max_batch, single: dict) -> None:
-    """--output / --max-batch need --prompts-file, which takes none of the
-    one-prompt flags in ``single`` (flag -> value given)."""
+def check_flags(prompts_file: Optional[str], output, max_batch, single: dict, prefix_cache_gb=None) -> None:
+    """--output / --max-batch / --prefix-cache-gb need --prompts-file, which takes
+    none of the one-prompt flags in ``single`` (flag -> value given)."""
     if prompts_file is None:
-        for flag, value in (("--output", output), ("--max-batch", max_batch)):
+        for flag, value in (("--output", output), ("--max-batch", max_batch),
+                            ("--prefix-cache-gb", prefix_cache_gb)):
             if value is not None:
                 raise click.UsageError(f"{flag} takes effect only with --prompts-file")
         return
@@ -291,20 +296,24 @@ def check_flags(prompts_file: Optional[str], output, max_batch, single: dict) ->
 
 
 def run_prompts_file(loaded, path: str, items: list[tuple[int, dict]], output: Optional[str], options: dict,
-                     defaults: dict, max_batch: Optional[int], profile: bool) -> None:
+                     defaults: dict, max_batch: Optional[int], profile: bool,
+                     prefix_cache_gb: Optional[float] = None) -> None:
     """The job of ``items`` (read_prompts of ``path``): check every prompt,
     generate, write (see the module doc)."""
     from . import ranks
+    from ..generation.prefix_cache import PrefixCache, limit_bytes
 
+    limit = limit_bytes(prefix_cache_gb, options.get("memory_budget"))
+    cache = PrefixCache(limit) if limit else None
     with ranks.watched(getattr(loaded, "world", None)) as dog, ranks.busy(dog):
-        _run_prompts(loaded, path, items, output, options, defaults, max_batch, profile, ranks.beating(dog))
+        _run_prompts(loaded, path, items, output, options, defaults, max_batch, profile, ranks.beating(dog), cache)
 
 
-def _run_prompts(loaded, path, items, output, options, defaults, max_batch, profile, cancel) -> None:
+def _run_prompts(loaded, path, items, output, options, defaults, max_batch, profile, cancel, cache) -> None:
     from .. import api
     from ..batch import DEFAULT_MAX_BATCH, Batcher
 
-    batcher = Batcher(loaded, max_batch or DEFAULT_MAX_BATCH, options.get("memory_budget"))
+    batcher = Batcher(loaded, max_batch or DEFAULT_MAX_BATCH, options.get("memory_budget"), cache)
     prompts = []
     for index, (number, item) in enumerate(items):
         where = f"--prompts-file {path} line {number}"
@@ -342,3 +351,9 @@ def _run_prompts(loaded, path, items, output, options, defaults, max_batch, prof
         click.echo(f"Batch: {len(items)} prompts, {tokens} tokens in {wall:.3f} s, "
                    f"{tokens / wall if wall else 0.0:.3f} tokens-per-sec (up to {batcher.max_batch} together)",
                    err=True)
+        if cache is not None:
+            s = cache.stats()
+            click.echo(f"Prefix cache: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens served "
+                       f"({100 * s['token_hit_rate']:.1f}%), {s['hits']} of {s['lookups']} prompts hit, "
+                       f"{s['bytes'] / 1e6:.1f} MB held of {s['limit_bytes'] / 1e6:.1f} MB, "
+                       f"{s['evictions']} evictions", err=True)

@@ -84,7 +84,8 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
     --prompts-file: many prompts generated together (cli/batch.py)."""
     from .. import api
 
-    prompts_file, output, max_batch = (options.pop(k) for k in ("prompts_file", "output", "max_batch"))
+    prompts_file, output, max_batch, prefix_cache_gb = (
+        options.pop(k) for k in ("prompts_file", "output", "max_batch", "prefix_cache_gb"))
     options = {k: v for k, v in options.items() if v is not None}
     chat = {"system": system, "chat_template": chat_template, "thinking": thinking}
 
@@ -96,14 +97,14 @@ def generate(model_path, revision, prompt, prompt_ids, system, chat_template, th
         check_flags(prompts_file, output, max_batch, {
             "--prompt": prompt, "--prompt-ids": prompt_ids, "--image": image, "--json": as_json,
             "--verbose": verbose, "--trace": trace_path, "--json-schema": json_schema_path,
-            "--json-object": json_object})
+            "--json-object": json_object}, prefix_cache_gb)
         api.check_options(model_path, options)  # family and option errors before the (slow) load
         response_format = _response_format(json_schema_path, json_object, logprobs)
         world = ranks.world()  # under mlx.launch: the ranks this run is shared with
         if prompts_file is not None:
             items = read_prompts_everywhere(prompts_file, world)  # before the (slow) model load
             run_prompts_file(load(), prompts_file, items, output if ranks.speaks() else None, options, chat,
-                             max_batch, profile)
+                             max_batch, profile, prefix_cache_gb)
             return
         ids = _check_inputs(prompt, prompt_ids, image, audio, video)
         # Files only (a URL is a name like any other), read before the (slow) model load.

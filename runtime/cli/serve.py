@@ -71,6 +71,9 @@ def _is_loopback(host: str) -> bool:
 @click.option("--max-batch", default=DEFAULT_MAX_BATCH, show_default=True, type=click.IntRange(min=1),
               help="Requests generated together in shared forwards (each gets exactly what it gets "
                    "alone; also bounded by the memory budget); 1: one request at a time.")
+@click.option("--prefix-cache-gb", default=None, type=click.FloatRange(min=0),
+              help="GB of prompt prefills kept across requests: a request sharing a prefix with earlier ones "
+                   "skips its prefill, results unchanged; 0: off [10% of the memory budget].")
 @click.option("--max-body-bytes", default=None, type=click.IntRange(min=1024),
               help=f"Largest accepted request body (413 beyond) [{DEFAULT_MAX_BODY_BYTES}; "
                    f"{DEFAULT_IMAGE_BODY_BYTES} for a model that takes images].")
@@ -81,7 +84,7 @@ def _is_loopback(host: str) -> bool:
 @_image_options
 @_generation_options
 @_thinking
-def serve(model_path, revision, host, port, api_key, queue_size, max_batch, max_body_bytes, model_id,
+def serve(model_path, revision, host, port, api_key, queue_size, max_batch, prefix_cache_gb, max_body_bytes, model_id,
           log_level, max_images, max_image_pixels, allow_image_urls, image_url_max_bytes, image_url_timeout,
           trust_remote_code, compute_dtype, thinking, **options):
     """Serve a converted model behind an OpenAI-compatible API.
@@ -116,13 +119,14 @@ def serve(model_path, revision, host, port, api_key, queue_size, max_batch, max_
         for note in api.option_warnings(loaded, defaults):
             click.echo(note, err=True)
         if loaded.world is not None and not loaded.world.primary:
-            _follow(loaded, max_batch, defaults)
+            _follow(loaded, max_batch, defaults, prefix_cache_gb)
             return
         if model_id is None and not Path(loaded.source).expanduser().is_dir():
             model_id = loaded.source  # a Hub repo id names the model better than its snapshot hash
         fetch = RemoteImages(image_url_max_bytes, image_url_timeout) if allow_image_urls else None
         app = create_app(loaded, {**defaults, "enable_thinking": thinking}, api_key=api_key,
                          queue_size=queue_size, max_batch=max_batch, model_id=model_id,
+                         prefix_cache_gb=prefix_cache_gb,
                          max_body_bytes=max_body_bytes,
                          images=ImageLimits(max_images, max_image_pixels, fetch))
     except DlmError as exc:
@@ -140,17 +144,19 @@ def serve(model_path, revision, host, port, api_key, queue_size, max_batch, max_
         raise DlmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     bound = sock.getsockname()[1]  # --port 0: the port the system chose
     shown = f"[{host}]" if ":" in host else host
+    cache = app.state.server.prefix_cache
+    cache = f", prefix cache {cache.limit / 1e9:.2f} GB" if cache is not None else ", no prefix cache"
     click.echo(f"dlm-run serve: {app.state.server.model_id} at http://{shown}:{bound}/v1 "
-               f"(batch {max_batch}, queue {queue_size}{', API key required' if api_key else ''})", err=True)
+               f"(batch {max_batch}, queue {queue_size}{cache}{', API key required' if api_key else ''})", err=True)
     run_server(app, sock, log_level)
 
 
-def _follow(loaded, max_batch: int, defaults: dict) -> None:
+def _follow(loaded, max_batch: int, defaults: dict, prefix_cache_gb) -> None:
     """A rank other than 0 under mlx.launch: no HTTP; it steps every batch with rank 0
     (which serves and broadcasts each tick's plan) until rank 0's server stops."""
     from ..server.lockstep import follow
 
-    follow(loaded, max_batch, defaults.get("memory_budget"))
+    follow(loaded, max_batch, defaults.get("memory_budget"), prefix_cache_gb)
 
 
 def bind(host: str, port: int) -> socket.socket:

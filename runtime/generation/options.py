@@ -266,5 +266,8 @@ MEMORY_BUDGET = Option("memory_budget", FLOAT, "Refuse, before allocating, a gen
                        request=False)
 SKIP_SPECIAL_TOKENS = Option("skip_special_tokens", BOOL, "Leave special tokens (<pad>, <eos>, ...) out "
                              "of the text (--json keeps every id).", True, "on", negatable=True)
-PREFILL_STEP_SIZE = Option("prefill_step_size", INT, "Prompt tokens per prefill forward.", 2048,
+# 512: no slower than 2048 on the CPU backend (docs/benchmarks.md), and the prefix cache
+# (generation/prefix_cache.py) reuses whole prefill forwards, so it sets the reuse granularity.
+PREFILL_STEP_SIZE = Option("prefill_step_size", INT, "Prompt tokens per prefill forward (a shared prefix "
+                           "is reused from the prefix cache in whole forwards).", 512,
                            minimum=1, request=False)

@@ -33,10 +33,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..platform.errors import DlmError, GenerationError
 from ..generation.images import ImageError, ImageLimits, decode, fetch_bodies, open_url
 from ..generation.inputs import PromptInputs
+from ..generation.prefix_cache import PrefixCache, limit_bytes
 from .requests import (OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat, parse_completion,
                        structured_hooks, structured_spec)
 from ..batch import DEFAULT_MAX_BATCH
 from .responses import JobResponse
+from .batch_worker import BatchRequest, BatchWorker
 from .worker import GenerationWorker, QueueFull, WorkerStopped
 
 DEFAULT_QUEUE_SIZE = 16
@@ -51,7 +53,8 @@ class _Server:
     """State shared by the routes: the model, its defaults and the worker."""
 
     def __init__(self, loaded, defaults: dict, runtime, queue_size: int, model_id: str,
-                 max_body_bytes: Optional[int], images: ImageLimits, max_batch: int = 1):
+                 max_body_bytes: Optional[int], images: ImageLimits, max_batch: int = 1,
+                 prefix_cache_gb: Optional[float] = None):
         self.loaded = loaded
         self.runtime = runtime
         defaults = dict(defaults or {})
@@ -78,17 +81,20 @@ class _Server:
         self.image_lock = threading.Lock()
         from .. import api
 
-        # A runtime of the caller's own (tests), or a family without batching, runs each request alone.
+        # A runtime of the caller's own (tests), or a family without batching, runs each request alone;
+        # with a runtime of its own, no prefix cache.
+        budget = self.defaults.get("memory_budget")
+        limit = limit_bytes(prefix_cache_gb, budget) if runtime is api else 0
+        self.prefix_cache = PrefixCache(limit) if limit else None
         if self.world is not None:  # every rank steps the same batch (lockstep.py)
             from .lockstep import DistributedWorker
 
-            self.worker = DistributedWorker(loaded, max_batch, self.defaults.get("memory_budget"),
-                                            queue_size=queue_size, after_job=_clear_mlx_cache, runtime=runtime)
+            self.worker = DistributedWorker(loaded, max_batch, budget, queue_size=queue_size,
+                                            after_job=_clear_mlx_cache, prefix_cache_gb=prefix_cache_gb)
+            self.prefix_cache = self.worker.prefix_cache
         elif max_batch > 1 and runtime is api and loaded.family.batch is not None:
-            from .batch_worker import BatchWorker
-
-            self.worker = BatchWorker(loaded, max_batch, self.defaults.get("memory_budget"),
-                                      queue_size=queue_size, after_job=_clear_mlx_cache)
+            self.worker = BatchWorker(loaded, max_batch, budget, queue_size=queue_size,
+                                      after_job=_clear_mlx_cache, prefix_cache=self.prefix_cache)
         else:
             self.worker = GenerationWorker(queue_size=queue_size, after_job=_clear_mlx_cache)
 
@@ -261,13 +267,15 @@ class _Server:
             await self.check_structured(req, request)
         structured = structured_hooks(req)
 
-        def run(cancel):
-            return runtime.stream_generate(loaded, prompt, options, cancel=cancel, **structured)
+        shared = {"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}
 
-        request_of = None if structured else (prompt, options)
+        def run(cancel):
+            return runtime.stream_generate(loaded, prompt, options, cancel=cancel, **structured, **shared)
+
+        request_of = BatchRequest(prompt, options, structured)  # structured requests batch too
         if self.world is not None:  # what every rank needs to run it (JSON, broadcast by the worker)
             request_of = {"prompt": prompt_ids, "options": options, "structured": structured_spec(req, body)}
-        try:  # structured runs go alone (the batcher runs unconstrained canvases)
+        try:
             job = self.worker.submit(run, request=request_of)
         except QueueFull as exc:
             raise RequestError(429, str(exc), err_type="rate_limit_error") from None
@@ -319,7 +327,8 @@ def _clear_mlx_cache() -> None:
 def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
                queue_size: int = DEFAULT_QUEUE_SIZE, *, model_id: str | None = None,
                max_body_bytes: int | None = None, images: ImageLimits | None = None,
-               runtime=None, max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
+               runtime=None, max_batch: int = DEFAULT_MAX_BATCH,
+               prefix_cache_gb: Optional[float] = None) -> FastAPI:
     """Build the ASGI app serving ``loaded`` (a runtime ``LoadedModel``).
 
     ``defaults``: generation options (snake_case ``dlm-run generate`` flag
@@ -334,13 +343,15 @@ def create_app(loaded, defaults: dict | None = None, api_key: str | None = None,
     (default ``dlm.runtime.api``). ``max_batch``: requests generated together
     in shared forwards (``dlm.runtime.server.batch_worker``; each gets what it would
     get alone); 1, or a runtime of the caller's own, runs one request at a time.
+    ``prefix_cache_gb``: prompt prefills kept across requests (generation/prefix_cache.py;
+    default: its share of the memory budget; 0: off; none with a runtime of the caller's own).
     """
     if runtime is None:
         from .. import api as runtime
     if model_id is None:
         model_id = Path(str(getattr(loaded, "path", "model"))).name or "model"
     server = _Server(loaded, defaults or {}, runtime, queue_size, model_id, max_body_bytes,
-                     images or ImageLimits(), max_batch)
+                     images or ImageLimits(), max_batch, prefix_cache_gb)
     app = FastAPI(title="dlm-run serve", lifespan=_lifespan(server), dependencies=[Depends(_key_check(api_key))],
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -407,7 +418,8 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.model_id, "worker": server.worker.status()}
+        cache = server.prefix_cache.stats() if server.prefix_cache is not None else None
+        return {"status": "ok", "model": server.model_id, "worker": server.worker.status(), "prefix_cache": cache}
 
     @app.get("/v1/models")
     async def models():

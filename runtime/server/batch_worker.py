@@ -10,7 +10,10 @@ their own first canvas/block), within ``max_batch`` and the memory budget
 (a request that finds the batch with room takes its slot at submit, even
 mid-step, so it never holds a queue slot while the batch has room);
 a request that ends (budget, stop token, cancel, client gone) leaves at once
-and the others go on. Every request gets exactly what it would get alone.
+and the others go on. Every request gets exactly what it would get alone:
+structured and tool-call requests (a ``BatchRequest`` with ``structured``
+keywords) batch with plain ones, and one whose run raises (a forced tool
+call cut short by max_tokens) gets its error while the others go on.
 
 A job without a ``request`` (a plain ``run`` callable) runs alone, as the
 serial worker runs it, once the batch in progress has drained.
@@ -19,19 +22,30 @@ serial worker runs it, once the batch in progress has drained.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from ..batch import DEFAULT_MAX_BATCH, Batcher
 from .worker import GenerationWorker, Job
 
 
+class BatchRequest(NamedTuple):
+    """What the batcher needs of a job: its prompt (ids or PromptInputs), its
+    resolved options and its ``structured`` keywords (``response_format``,
+    ``logprobs``, ``tools``: server.requests.structured_hooks; none for plain text)."""
+
+    prompt: Any
+    options: dict
+    structured: Optional[dict] = None
+
+
 class BatchWorker(GenerationWorker):
     def __init__(self, loaded, max_batch: int = DEFAULT_MAX_BATCH, memory_budget: Optional[float] = None,
                  queue_size: int = 16, after_job: Callable[[], None] | None = None,
-                 name: str = "dlm-batch-worker"):
+                 name: str = "dlm-batch-worker", prefix_cache=None):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.loaded, self.max_batch, self.memory_budget = loaded, max_batch, memory_budget
+        self.prefix_cache = prefix_cache  # a PrefixCache the requests share, or None
         # In the batch (it holds a slot of max_batch): handed to the batcher (running,
         # or waiting there for memory), or taken and handed over at the thread's next turn.
         self._active: list[Job] = []
@@ -91,7 +105,7 @@ class BatchWorker(GenerationWorker):
                 self._alone(alone)
                 continue
             if self._batcher is None:
-                self._batcher = Batcher(self.loaded, self.max_batch, self.memory_budget)
+                self._batcher = Batcher(self.loaded, self.max_batch, self.memory_budget, self.prefix_cache)
             for job in joining:
                 self._join(job)
             self._step()
@@ -99,9 +113,10 @@ class BatchWorker(GenerationWorker):
     def _join(self, job: Job) -> None:
         """Hand a job to the batcher (a request it refuses ends with that error)."""
         job.started_at = time.perf_counter()
-        prompt, options = job.request
+        request = BatchRequest(*job.request)
         try:
-            self._batcher.add(prompt, options, cancel=job.should_stop, key=job)
+            self._batcher.add(request.prompt, request.options, cancel=job.should_stop, key=job,
+                              **(request.structured or {}))
         except Exception as exc:
             job.post("error", exc)
             self._end(job)

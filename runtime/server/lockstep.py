@@ -10,10 +10,11 @@ requests in the same order), then all run the same batched step. A cancel
 reaches the batch through the plan, never through rank 0's own flags, which a
 client may set mid-step.
 
-A request with structured output runs alone between batches, as the batching
-worker runs it: every rank runs the same loop, and its cancel poll (once per
-denoising step) is itself a broadcast of rank 0's answer. Image inputs are
-refused (app.py): their pixels would have to travel to every rank.
+A request with structured output or tools joins the batch like any other: its
+plan entry carries the request's JSON fields (``structured_spec``), from which
+every rank rebuilds the same grammar and tool-call splitting
+(``structured_from_spec``). Image inputs are refused (app.py): their pixels
+would have to travel to every rank.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 from ..batch import Batcher
+from ..generation.prefix_cache import PrefixCache, limit_bytes
 from ..platform import distributed
 from .requests import structured_from_spec
 from .worker import GenerationWorker, Job, WorkerStopped
@@ -41,12 +43,15 @@ class Tick:
 class Lockstep:
     """The scheduler state every rank holds an identical copy of."""
 
-    def __init__(self, loaded, max_batch: int, memory_budget: Optional[float] = None, runtime=None):
-        if runtime is None:
-            from .. import api as runtime
-        self.loaded, self.runtime = loaded, runtime
+    def __init__(self, loaded, max_batch: int, memory_budget: Optional[float] = None,
+                 prefix_cache_gb: Optional[float] = None):
+        """Every rank keeps a prefix cache of the same limit: each applies the same
+        plans in the same order, so each finds and evicts the same chunks."""
+        self.loaded = loaded
         self.world = loaded.world
-        self.batcher = Batcher(loaded, max_batch, memory_budget)
+        limit = limit_bytes(prefix_cache_gb, memory_budget)
+        self.prefix_cache = PrefixCache(limit) if limit else None
+        self.batcher = Batcher(loaded, max_batch, memory_budget, self.prefix_cache)
         self.cancelled: set[int] = set()  # ids rank 0 has said are cancelled
 
     def apply(self, plan: dict) -> list:
@@ -57,7 +62,8 @@ class Lockstep:
         for spec in plan.get("join", ()):
             key = spec["id"]
             try:
-                self.batcher.add(spec["prompt"], spec["options"], cancel=self._cancel(key), key=key)
+                shape = structured_from_spec(spec["structured"]) if spec["structured"] is not None else {}
+                self.batcher.add(spec["prompt"], spec["options"], cancel=self._cancel(key), key=key, **shape)
             except Exception as exc:  # the same refusal on every rank
                 failed.append((key, exc))
         return failed
@@ -88,11 +94,6 @@ class Lockstep:
         self.cancelled.difference_update(ended)
         return tick
 
-    def alone(self, spec: dict, poll: Callable[[], bool]) -> Iterator:
-        """A structured request's events, run by itself; ``poll``: the cancel hook."""
-        hooks = structured_from_spec(spec["structured"])
-        return self.runtime.stream_generate(self.loaded, spec["prompt"], spec["options"], cancel=poll, **hooks)
-
 
 # While nothing runs, rank 0 still ticks (an empty plan), further apart the longer it
 # idles, and the other ranks sleep between ticks: a rank waiting inside a collective
@@ -108,7 +109,7 @@ def idle_wait(idle_ticks: int) -> float:
 
 def idle_tick(plan: dict, lockstep: "Lockstep") -> bool:
     """A tick with nothing to do on any rank (they all judge it alike)."""
-    return not plan.get("join") and not plan.get("cancel") and "alone" not in plan and lockstep.idle
+    return not plan.get("join") and not plan.get("cancel") and lockstep.idle
 
 
 def _beat(dog, busy: bool) -> None:
@@ -123,9 +124,11 @@ class DistributedWorker(GenerationWorker):
     "structured": None or the fields structured_from_spec rebuilds}."""
 
     def __init__(self, loaded, max_batch: int, memory_budget: Optional[float] = None, queue_size: int = 16,
-                 after_job: Callable[[], None] | None = None, runtime=None, name: str = "dlm-lockstep-worker"):
+                 after_job: Callable[[], None] | None = None, name: str = "dlm-lockstep-worker",
+                 prefix_cache_gb: Optional[float] = None):
         self.loaded, self.max_batch = loaded, max_batch
-        self.lockstep = Lockstep(loaded, max_batch, memory_budget, runtime)
+        self.lockstep = Lockstep(loaded, max_batch, memory_budget, prefix_cache_gb)
+        self.prefix_cache = self.lockstep.prefix_cache
         self._active: dict[int, Job] = {}
         self._told: set[int] = set()  # cancellations already broadcast
         self._ids = itertools.count()
@@ -173,7 +176,7 @@ class DistributedWorker(GenerationWorker):
                 idle = idle + 1 if idle_tick(plan, self.lockstep) else 0
                 try:
                     if not idle:
-                        self._tick(plan, dog)
+                        self._tick(plan)
                 finally:
                     _beat(dog, False)
 
@@ -183,12 +186,8 @@ class DistributedWorker(GenerationWorker):
             return {"stop": True}
         cancel = [k for k, job in self._active.items() if job.cancelled and k not in self._told]
         self._told.update(cancel)
-        if not self._active and self._pending and self._pending[0].request["structured"] is not None:
-            key = self._admit(self._pending.popleft())
-            return {"alone": {"id": key, **self._active[key].request}}
         join = []
-        while (self._pending and self._pending[0].request["structured"] is None
-               and len(self._active) < self.max_batch):
+        while self._pending and len(self._active) < self.max_batch:
             key = self._admit(self._pending.popleft())
             join.append({"id": key, **self._active[key].request})
         self._current = next(iter(self._active.values()), None)
@@ -201,10 +200,7 @@ class DistributedWorker(GenerationWorker):
         self._current = job
         return key
 
-    def _tick(self, plan: dict, dog) -> None:
-        if "alone" in plan:
-            self._alone_run(plan["alone"], dog)
-            return
+    def _tick(self, plan: dict) -> None:
         failed = self.lockstep.apply(plan)
         tick = self.lockstep.step()
         for key, exc in failed + tick.failed:
@@ -218,22 +214,6 @@ class DistributedWorker(GenerationWorker):
             job.post("item", event)
             if event.done:
                 self._end(key)
-
-    def _alone_run(self, spec: dict, dog) -> None:
-        key, world = spec["id"], self.loaded.world
-        job = self._active[key]
-
-        def poll() -> bool:
-            dog.beat()
-            return distributed.broadcast(job.cancelled, world)
-
-        try:
-            for event in self.lockstep.alone(spec, poll):
-                job.last_item = event
-                job.post("item", event)
-        except Exception as exc:  # the same error on every rank; rank 0 reports it
-            job.post("error", exc)
-        self._end(key)
 
     def _end(self, key: int, ran: bool = True) -> None:
         with self._cond:
@@ -270,13 +250,14 @@ def _leave(world, exc: BaseException) -> None:
     os._exit(1)
 
 
-def follow(loaded, max_batch: int, memory_budget: Optional[float] = None) -> None:
+def follow(loaded, max_batch: int, memory_budget: Optional[float] = None,
+           prefix_cache_gb: Optional[float] = None) -> None:
     """A rank other than 0 under ``dlm-run serve``: apply rank 0's plans and step with
     it, until it says stop (its server shut down). No HTTP here."""
     import mlx.core as mx
 
     world, idle = loaded.world, 0
-    lockstep = Lockstep(loaded, max_batch, memory_budget)
+    lockstep = Lockstep(loaded, max_batch, memory_budget, prefix_cache_gb)
     with distributed.Watchdog(world) as dog:
         while True:
             plan = distributed.broadcast(None, world)  # waits (not busy) for rank 0's next tick
@@ -289,24 +270,10 @@ def follow(loaded, max_batch: int, memory_budget: Optional[float] = None) -> Non
             idle = 0
             _beat(dog, True)
             try:
-                _follow_tick(lockstep, plan, dog, world)
+                lockstep.apply(plan)
+                lockstep.step()
             finally:
                 _beat(dog, False)
             if lockstep.idle:  # as rank 0 frees its cache once its batch drains
                 mx.clear_cache()
 
-
-def _follow_tick(lockstep: Lockstep, plan: dict, dog, world) -> None:
-    if "alone" in plan:
-        def poll() -> bool:
-            dog.beat()
-            return distributed.broadcast(None, world)
-
-        try:
-            for _ in lockstep.alone(plan["alone"], poll):
-                pass
-        except Exception:  # rank 0 reports it to the client
-            pass
-        return
-    lockstep.apply(plan)
-    lockstep.step()

@@ -89,8 +89,10 @@ class JobResponse(Response):
     # -- pieces ------------------------------------------------------------
     def _usage(self, out: Output) -> dict:
         completion = out.completion_tokens
+        cached = out.stats.cached_prompt_tokens if out.stats is not None else 0  # the prefix cache's
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _timings(self, out: Output) -> dict:
         """Serial serving: queueing is part of the latency a client sees."""

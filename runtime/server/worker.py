@@ -43,7 +43,7 @@ class Job:
 
     def __init__(self, run: RunFn, loop: asyncio.AbstractEventLoop, request: Any = None):
         self.run = run
-        self.request = request  # (prompt, options) for a batching worker (batch_worker.py); None: run alone
+        self.request = request  # what a batching worker batches (batch_worker.BatchRequest, lockstep's spec); None: alone
         self._loop = loop
         self._messages: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()

@@ -61,11 +61,12 @@ from scripts.bench import harness
 from tests.builders import build_diffusion_gemma, build_llada2, convert_dir
 
 
-def start(model: Path, max_batch: int, args, log: Path) -> tuple[subprocess.Popen, str]:
-    """A ``dlm-run serve`` process on a free port (its stderr in ``log``); (process, base URL)."""
+def start(model: Path, max_batch: int, args, log: Path, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
+    """A ``dlm-run serve`` process on a free port (its stderr in ``log``; ``extra``: more
+    flags); (process, base URL)."""
     cmd = [str(Path(sys.executable).parent / "dlm-run"), "serve", "--model", str(model), "--port", "0",
            "--max-batch", str(max_batch), "--queue-size", str(args.queue_size), "--log-level", "warning",
-           "--max-tokens", str(args.max_tokens), "--max-denoising-steps", str(args.steps)]
+           "--max-tokens", str(args.max_tokens), "--max-denoising-steps", str(args.steps), *extra]
     proc = subprocess.Popen(cmd, stderr=log.open("w"), text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

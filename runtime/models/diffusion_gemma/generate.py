@@ -31,13 +31,14 @@ import numpy as np
 from ...platform import settings as env
 from ...platform.errors import GenerationError
 from ...generation.events import GenerationEvent
+from ...generation.prefix_cache import Reuse, image_digest, shared_store
 from ...generation.progress import Block, PrefixState, check_prompt, common_prefix, run
 from ...platform.memory import check_budget, scores_materialized
 from ..base import ConfigReader
 from . import sampling as S
 from .canvas import Canvas, DebugDraws, DenoiseConfig, RandomDraws, StepHook, drive
 from .config import SLIDING
-from .model import image_blocks
+from .model import chunks, image_blocks
 from .options import DEFAULTS as D
 from .structured import Grammar
 from .trace import CanvasTracer
@@ -124,7 +125,7 @@ class CanvasSession:
     def __init__(self, loaded, prompt_ids: list[int], settings: Settings,
                  cancel: Optional[Callable[[], bool]] = None, on_step: Optional[StepHook] = None,
                  prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
-                 images: Optional[list] = None, step_trace=None, structured=None):
+                 images: Optional[list] = None, step_trace=None, structured=None, prefix_cache=None):
         self.model, args = loaded.model, loaded.args
         self.step_trace = step_trace  # a dlm.runtime.trace.Trace (--trace), or None
         self.prompt_ids = [int(t) for t in prompt_ids]
@@ -150,6 +151,7 @@ class CanvasSession:
             self.draws = RandomDraws(args.vocab_size, seed)
         self.cache, self.pending = None, None
         self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
+        self.store = shared_store(prefix_cache, prefix, self.model)  # a PrefixCache shared across requests
         self.canvas_index = 0
         self.tracer, self.grammar = None, None  # the canvas in progress's (open)
         # Structured output (dlm.runtime.structured): a grammar frontier over the canvases.
@@ -207,6 +209,9 @@ class CanvasSession:
         return acts + (2 * heads * patches * patches * 4 if scores_materialized() else 0)
 
     def prefill(self) -> None:
+        if self.store is not None:
+            self._prefill_shared()
+            return
         if self.images:
             self._prefill_images()
             return
@@ -238,6 +243,35 @@ class CanvasSession:
         self.model.prefill(self.prompt_ids, self.cache, self.settings.prefill_step_size, features, self.blocks)
         if self.prefix is not None:
             self.prefix.cache, self.prefix.ids = None, []
+
+    def _prefill_shared(self) -> None:
+        """The prompt's prefill chunks a PrefixCache holds restored, the rest run (and
+        stored): the same forwards as without it (generation/prefix_cache.py). An
+        image is keyed by a digest of its pixels; only the images after the
+        restored chunks go through the vision tower."""
+        prompt, size = self.prompt_ids, self.settings.prefill_step_size
+        symbols = list(prompt)
+        starts = []  # each image's first position, in order
+        if self.blocks is not None:
+            starts = [int(np.argmax(self.blocks == i)) for i in range(len(self.images))]
+            for image, at in zip(self.images, starts):
+                symbols[at] = ("image", image_digest(image))
+        bounds = [end for _, end in chunks(len(prompt), size, self.blocks)]
+        self.cache = self.model.make_cache()
+        reuse = Reuse(self.store, ("diffusion_gemma",), symbols, bounds, self.cache)
+        m = self.cached_tokens = reuse.start
+        features, blocks = None, None
+        if self.images:
+            start = time.perf_counter()
+            later = [image for image, at in zip(self.images, starts) if at >= m]
+            if later:
+                features = [self.model.encode_image(i.pixel_values, i.position_ids) for i in later]
+                features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
+                mx.eval(features)
+            self.vision_seconds = time.perf_counter() - start
+            blocks = self.blocks[m:]
+        self.model.prefill(prompt[m:], self.cache, size, features, blocks,
+                           on_chunk=lambda a, b: reuse.stored(m + a, m + b))
 
     def _step_hook(self, index: int) -> Optional[StepHook]:
         """on_step, plus the watcher (which sees the canvas as it stands: its argmax)."""
@@ -299,7 +333,7 @@ def stream_generate(
     loaded, prompt_ids: list[int], settings: Settings,
     cancel: Optional[Callable[[], bool]] = None, *, on_step: Optional[StepHook] = None,
     prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
-    images: Optional[list] = None, step_trace=None, structured=None,
+    images: Optional[list] = None, step_trace=None, structured=None, prefix_cache=None,
 ) -> Iterator[GenerationEvent]:
     """Events: one per committed canvas (sequence order), then a final event.
 
@@ -308,8 +342,9 @@ def stream_generate(
     ``prefix``: a PrefixState kept across runs (chat); ``images``: the
     ImageInputs of a PromptInputs (their placeholders are in ``prompt_ids``);
     ``step_trace``: a dlm.runtime.trace.Trace that records every step (--trace);
-    ``structured``: a dlm.runtime.structured.Structured (the output follows its grammar).
+    ``structured``: a dlm.runtime.structured.Structured (the output follows its grammar);
+    ``prefix_cache``: a dlm.runtime.generation.prefix_cache.PrefixCache shared across requests.
     """
     session = CanvasSession(loaded, prompt_ids, settings, cancel, on_step, prefix, watch, images,
-                            step_trace=step_trace, structured=structured)
+                            step_trace=step_trace, structured=structured, prefix_cache=prefix_cache)
     return run(session, loaded, session.prompt_ids, cancel)

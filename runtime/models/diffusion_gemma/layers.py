@@ -147,6 +147,28 @@ class PrefixCache:
             self.values = self.values[:, :, start : n - first]
         self.offset = n
 
+    def segment(self, n: int) -> tuple[mx.array, mx.array]:
+        """Copies of the K/V a prefix cache keeps of the last ``n`` positions (a
+        sliding layer: at most its window, all a later position can see)."""
+        kept = min(n, self.length)
+        return mx.contiguous(self.keys[:, :, -kept:]), mx.contiguous(self.values[:, :, -kept:])
+
+    def restore(self, parts: list[tuple[mx.array, mx.array]], offset: int) -> None:
+        """The state after ``offset`` positions, from the ``segment``s that made them, in order."""
+        if self.keep is not None:  # only the window's positions: the last segments suffice
+            have, take = 0, []
+            for part in reversed(parts):
+                take.insert(0, part)
+                have += part[0].shape[2]
+                if have >= self.keep:
+                    break
+            parts = take
+        keys = parts[0][0] if len(parts) == 1 else mx.concatenate([k for k, _ in parts], axis=2)
+        values = parts[0][1] if len(parts) == 1 else mx.concatenate([v for _, v in parts], axis=2)
+        if self.keep is not None and keys.shape[2] > self.keep:
+            keys, values = keys[:, :, -self.keep:], values[:, :, -self.keep:]
+        self.keys, self.values, self.offset = keys, values, offset
+
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]

@@ -342,9 +342,9 @@ class Model(nn.Module):
 
     def prefill(self, ids, cache: list[PrefixCache], chunk_size: int = PREFILL_STEP_SIZE.default,
                 features: Optional[mx.array] = None, blocks: Optional[np.ndarray] = None,
-                collect: Optional[list] = None) -> None:
-        """``encode`` in chunks, each evaluated. With images (``features``,
-        ``blocks`` as in encode), no chunk boundary splits an image block."""
+                collect: Optional[list] = None, on_chunk: Optional[Callable[[int, int], None]] = None) -> None:
+        """``encode`` in chunks, each evaluated (then ``on_chunk(start, end)``). With
+        images (``features``, ``blocks`` as in encode), no chunk boundary splits an image block."""
         ids = self._ids(ids)
         for start, end in chunks(ids.shape[1], chunk_size, blocks):
             if blocks is None:
@@ -355,6 +355,8 @@ class Model(nn.Module):
                 self.encode(ids[:, start:end], cache, None, features[done : done + n] if n else None,
                             blocks[start:end], collect=collect)
             mx.eval([c.state for c in cache])
+            if on_chunk is not None:
+                on_chunk(start, end)
 
     def decode(
         self, canvas, cache: list[PrefixCache], sc_logits: Optional[mx.array] = None,

@@ -21,7 +21,8 @@ model call, each Reveal a batch of one, each Sync one read); in a batch, the
 batch answers every member's Forward with one forward, the Reveals of one kind
 (the same settings and block length) with one graph over their rows, and every
 member's Sync with one evaluation. It uses the session's own helpers (sampling, reveal,
-trace); a structured block (structured.py) runs as a plain call inside it.
+trace); a structured block (structured.py) is a generator of the same requests, so
+structured requests batch with plain ones.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class Member:
         # budget (they influence the rest); only the stop test uses ``need``.
         frontier = s.frontier
         scored = len(frontier.records) if frontier is not None else 0
-        if frontier is not None:  # structured output (runs alone, never batched)
+        if frontier is not None:  # structured output (structured.py)
             block, steps, cancelled = yield from denoise_structured(self, b, start, block, gen_from, need)
         elif s.rules is not None:  # LLaDA2.2
             block, steps, cancelled = yield from decode_block(self, b, start, block, gen_from)

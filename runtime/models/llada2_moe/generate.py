@@ -47,6 +47,7 @@ import numpy as np
 
 from ...platform.errors import GenerationError
 from ...generation.events import GenerationEvent
+from ...generation.prefix_cache import Reuse, shared_store
 from ...generation.progress import Block, PrefixState, check_prompt, common_prefix, run
 from ...platform.memory import check_budget, scores_materialized
 from ..base import ConfigReader
@@ -216,7 +217,7 @@ _HOOKS = (
     "stop_on_role_end", "editing_threshold",
 )
 # Hooks of the session itself rather than of Settings.
-_SESSION_HOOKS = ("prefix", "watch", "structured")
+_SESSION_HOOKS = ("prefix", "watch", "structured", "prefix_cache")
 
 
 def stream_generate(
@@ -233,30 +234,17 @@ def stream_generate(
     ``stop_ids`` replaces the stop-token set; ``watch(block_index, step, token_ids)``
     sees the block after every step (--verbose); ``prefix`` is a PrefixState kept
     across runs (chat); ``structured`` (a dlm.runtime.structured.Structured): the
-    output follows its grammar."""
+    output follows its grammar; ``prefix_cache``: a
+    dlm.runtime.generation.prefix_cache.PrefixCache shared across requests."""
     if hooks.pop("images", None):
         raise GenerationError("image input is not supported: LLaDA-2 is text-only")
     unknown = sorted(set(hooks) - set(_HOOKS) - set(_SESSION_HOOKS))
     if unknown:
         raise GenerationError(f"unknown LLaDA-2 generation hook(s): {', '.join(unknown)}")
-    structured = hooks.pop("structured", None)
     extra = {k: hooks.pop(k) for k in _SESSION_HOOKS if k in hooks}
     if hooks:
         settings = replace(settings, **hooks)
-    session = BlockSession(loaded, list(prompt_ids), settings, cancel, **extra)
-    if stop_ids is not None:
-        session.set_stops(stop_ids)
-    if structured is not None:
-        if settings.step_trace is not None:
-            raise GenerationError("--trace does not apply to structured output (response_format / "
-                                  "--json-schema); trace the unconstrained run")
-        session.frontier = structured.frontier(loaded.tokenizer, loaded.args.vocab_size, session.stop_ids,
-                                               session.budget)
-        if session.rules is not None:  # a constrained block never edits: DELETE/SPLIT would be text
-            edits = (loaded.args.delete_token_id, loaded.args.split_token_id)
-            vocab = mx.arange(loaded.args.vocab_size)
-            bias = mx.where((vocab == edits[0]) | (vocab == edits[1]), -mx.inf, 0.0)
-            session.logit_bias = bias if session.logit_bias is None else session.logit_bias + bias
+    session = BlockSession(loaded, list(prompt_ids), settings, cancel, stops=stop_ids, **extra)
     return run(session, loaded, session.prompt, cancel)
 
 
@@ -268,10 +256,14 @@ class BlockSession:
     block_name = "block"
 
     def __init__(self, loaded, prompt_ids, s: Settings, cancel: Optional[Callable[[], bool]] = None,
-                 prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None):
+                 prefix: Optional[PrefixState] = None, watch: Optional[Callable] = None,
+                 structured=None, stops: Optional[list[int]] = None, prefix_cache=None):
+        """``structured``: a dlm.runtime.structured.Structured (the output follows its
+        grammar); ``stops``: replaces the stop-token set (None: ``stop_ids``)."""
         self.model, self.s, self.cancel = loaded.model, s, cancel
         self.prefix, self.watch, self.cached_tokens = prefix, watch, 0
-        self.frontier = None  # structured output: a dlm.runtime.structured.Frontier (set by stream_generate)
+        self.store = shared_store(prefix_cache, prefix, self.model)  # a PrefixCache shared across requests
+        self.frontier = None  # structured output: a dlm.runtime.structured.Frontier
         self.tracer: Optional[BlockTracer] = None  # --trace: the current block's
         self.skip_special_tokens = s.skip_special_tokens
         self.prompt = prompt_ids
@@ -300,7 +292,17 @@ class BlockSession:
         self.logit_bias = None
         if s.suppress_mask:
             self.logit_bias = mx.where(mx.arange(vocab) == s.mask_token_id, -mx.inf, 0.0)
-        self.set_stops(stop_ids(loaded, s))
+        self.set_stops(stop_ids(loaded, s) if stops is None else stops)
+        if structured is not None:  # the grammar's frontier over this run's blocks
+            if s.step_trace is not None:
+                raise GenerationError("--trace does not apply to structured output (response_format / "
+                                      "--json-schema); trace the unconstrained run")
+            self.frontier = structured.frontier(loaded.tokenizer, vocab, self.stop_ids, self.budget)
+            if self.rules is not None:  # a constrained block never edits: DELETE/SPLIT would be text
+                ids = mx.arange(vocab)
+                bias = mx.where((ids == loaded.args.delete_token_id) | (ids == loaded.args.split_token_id),
+                                -mx.inf, 0.0)
+                self.logit_bias = bias if self.logit_bias is None else self.logit_bias + bias
 
     def _rules(self, args) -> Rules:
         """LLaDA2.2's decoding (levenshtein.py); what it does not implement is refused by name."""
@@ -350,7 +352,13 @@ class BlockSession:
             return
         bl = self.bl
         chunk = max(bl, self.s.prefill_step_size // bl * bl)
-        start = self._reuse(upto)
+        shared = None
+        if self.store is not None:  # generation/prefix_cache.py: whole chunks, the same forwards
+            bounds = [min(upto, a + chunk) for a in range(0, upto, chunk)]
+            shared = Reuse(self.store, ("llada2_moe", bl), self.prompt, bounds, self.cache)
+            start = self.cached_tokens = shared.start
+        else:
+            start = self._reuse(upto)
         for a in range(start, upto, chunk):
             b = min(upto, a + chunk)
             ids = mx.array(self.prompt[a:b], dtype=mx.int32)[None]
@@ -358,6 +366,8 @@ class BlockSession:
             mx.eval(logits, [(c.keys, c.values) for c in self.cache])
             for c in self.cache:
                 c.commit(b - a)
+            if shared is not None:
+                shared.stored(a, b)
 
     def _reuse(self, upto: int) -> int:
         """Copy the kept cache's whole blocks that this prompt shares into the new

@@ -113,6 +113,24 @@ class CommittedKVCache:
         self.values[..., :n, :] = other.values[..., :n, :]
         self.offset, self._window = n, 0
 
+    def segment(self, n: int) -> tuple[mx.array, mx.array]:
+        """Copies of the last ``n`` committed positions' K/V (a prefix cache keeps them)."""
+        a, b = self.offset - n, self.offset
+        return mx.contiguous(self.keys[..., a:b, :]), mx.contiguous(self.values[..., a:b, :])
+
+    def restore(self, parts: list[tuple[mx.array, mx.array]], offset: int) -> None:
+        """The first ``offset`` committed positions, from the ``segment``s that made them, in order."""
+        keys, values = parts[0]
+        B, H, _, D = keys.shape
+        self.keys = mx.zeros((B, H, self.capacity, D), dtype=keys.dtype)
+        self.values = mx.zeros((B, H, self.capacity, values.shape[-1]), dtype=values.dtype)
+        at = 0
+        for k, v in parts:
+            self.keys[..., at : at + k.shape[2], :] = k
+            self.values[..., at : at + v.shape[2], :] = v
+            at += k.shape[2]
+        self.offset, self._window = offset, 0
+
     def commit(self, n: int) -> None:
         if n > self._window:
             raise ValueError(f"cannot commit {n} of a {self._window}-position window")

@@ -1,4 +1,4 @@
-"""What a block generator (batch.Member, levenshtein.decode_block) yields to
+"""What a block generator (batch.Member, levenshtein.decode_block, structured.denoise_structured) yields to
 whoever drives it, alone or in a batch (batch.py): a window to run through the
 model, or an array to read on the host."""
 

@@ -12,9 +12,9 @@ position never changes.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from ...structured import Rows
+from .requests import Sync
 from .sampling import sample
 
 
@@ -26,9 +26,10 @@ def _pin(block: mx.array, at: int, frozen: list[int]) -> mx.array:
 
 
 def denoise_structured(member, b: int, start: int, block: mx.array, gen_from: int, need: int):
-    """Block ``b`` at ``start`` as a batch.Member generator step (the same forward,
-    sampling and syncs as the unconstrained loop): returns (block, steps,
-    cancelled); its output positions are [gen_from, need)."""
+    """Block ``b`` at ``start`` as a batch.Member generator step (the same forward
+    and sampling as the unconstrained loop, and a ``Sync`` for the step's
+    proposal and acceptance): returns (block, steps, cancelled); its output
+    positions are [gen_from, need)."""
     session = member.session
     s, frontier = session.s, session.frontier
     frontier.begin(max(need - gen_from, 0))
@@ -41,7 +42,8 @@ def denoise_structured(member, b: int, start: int, block: mx.array, gen_from: in
             return block, steps, True
         tok, conf, logits, u = yield from member._scored(b, step, start, block)
         keep = conf > s.step_threshold(step, session.steps)
-        mx.eval(tok, keep)
+        # The step's one host read (in a batch: one evaluation for every member's).
+        proposed = yield Sync(mx.stack([tok, keep.astype(tok.dtype)]), host=True)
         steps += 1
 
         def pick(row, position, u=u):  # the family's sampler over the allowed tokens
@@ -50,7 +52,7 @@ def denoise_structured(member, b: int, start: int, block: mx.array, gen_from: in
             return int(t.item())
 
         rows = Rows(logits[gen_from:need], pick)
-        frontier.advance(np.array(tok)[gen_from:need], np.array(keep)[gen_from:need],
+        frontier.advance(proposed[0, gen_from:need], proposed[1, gen_from:need].astype(bool),
                          frontier.quota(session.steps - step), rows)
         if session.watch is not None:
             session.watch(b - session.first_block, step, _pin(block, gen_from, frontier.frozen).tolist())
