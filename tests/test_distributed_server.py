@@ -1,7 +1,9 @@
 """``mlx.launch -n 2 --backend ring dlm-run serve``: rank 0 serves HTTP, rank 1 follows
 its plans with no HTTP; the openai client gets what one process answers (plain,
-streamed, two requests batched together, a structured one), and a rank killed
-while serving takes the whole job down, nothing left running. One launch."""
+streamed, two requests batched together, a structured one: computed in this
+process while the ranks start, without a prefix cache; the ranks served them from
+theirs), and a rank killed while serving takes the whole
+job down, nothing left running. One launch."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import pytest
 from dlm.runtime import api
 from tests.distributed import DLM_RUN, rank_pids, read, start
 
-SERVE = {"max_tokens": 8, "block_length": 4, "max_denoising_steps": 4}
-FLAGS = ["--max-tokens", "8", "--block-length", "4", "--max-denoising-steps", "4"]
+# Prefill chunks of 8: every request after the first finds the prompt's chunks in each rank's prefix cache.
+SERVE = {"max_tokens": 8, "block_length": 4, "max_denoising_steps": 4, "prefill_step_size": 8}
+FLAGS = ["--max-tokens", "8", "--block-length", "4", "--max-denoising-steps", "4", "--prefill-step-size", "8"]
 MSGS = [{"role": "user", "content": "Name a colour."}]
 
 
@@ -47,34 +50,40 @@ def _alone(loaded, options: dict, **hooks):
     return list(api.stream_generate(loaded, ids, {**SERVE, **options}, **hooks))
 
 
+FMT = {"type": "json_object"}
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llada2_mlx_dir):
+    """(base URL, the launch, what one process streams for each request: computed while the ranks start)."""
     port = _free_port()
     proc = start(2, [str(DLM_RUN), "serve", "--model", str(tiny_llada2_mlx_dir), "--port", str(port),
                      "--max-batch", "4", *FLAGS], env={"DLM_DISTRIBUTED_TIMEOUT": "20"})
     try:
+        loaded = api.load(tiny_llada2_mlx_dir)
+        alone = {seed: _alone(loaded, {"seed": seed, "max_tokens": 12, "temp": 0.7}) for seed in (3, 2, 5, 6)}
+        alone["json"] = _alone(loaded, {"seed": 1}, response_format=FMT)
         _wait_healthy(f"http://127.0.0.1:{port}", proc)
-        yield f"http://127.0.0.1:{port}", proc
+        yield f"http://127.0.0.1:{port}", proc, alone
     finally:
         for pid in rank_pids(proc).values():
             os.kill(pid, signal.SIGKILL)
         proc.wait(30)
 
 
-def test_rank0_serves_what_one_process_answers_and_a_dead_rank_ends_the_job(server, tiny_llada2_mlx_dir):
-    base, proc = server
-    loaded = api.load(tiny_llada2_mlx_dir)
+def test_rank0_serves_what_one_process_answers_and_a_dead_rank_ends_the_job(server):
+    base, proc, alone = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
     assert httpx.get(base + "/health").json()["worker"]["ranks"] == 2
 
     r = client.chat.completions.create(model="m", messages=MSGS, seed=3, max_tokens=12, temperature=0.7)
-    events = _alone(loaded, {"seed": 3, "max_tokens": 12, "temp": 0.7})
+    events = alone[3]
     assert r.choices[0].message.content == "".join(e.text for e in events)
     assert r.model_extra["timings"]["steps_per_block"] == events[-1].stats.steps_per_block
 
     chunks = list(client.chat.completions.create(model="m", messages=MSGS, seed=2, max_tokens=12,
                                                  temperature=0.7, stream=True))
-    events = _alone(loaded, {"seed": 2, "max_tokens": 12, "temp": 0.7})
+    events = alone[2]
     content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert content == [e.text for e in events if e.text]  # one chunk per committed block
 
@@ -91,14 +100,17 @@ def test_rank0_serves_what_one_process_answers_and_a_dead_rank_ends_the_job(serv
     for t in threads:
         t.join(120)
     for seed in (5, 6):
-        assert answers[seed] == "".join(e.text for e in _alone(loaded, {"seed": seed, "max_tokens": 12,
-                                                                         "temp": 0.7}))
+        assert answers[seed] == "".join(e.text for e in alone[seed])
 
-    # Structured output runs alone, each step's cancel poll broadcast from rank 0.
-    fmt = {"type": "json_object"}
-    r = client.chat.completions.create(model="m", messages=MSGS, seed=1, response_format=fmt)
-    assert r.choices[0].message.content == "".join(e.text for e in _alone(loaded, {"seed": 1},
-                                                                          response_format=fmt))
+    # Structured output joins the batch like any other request.
+    r = client.chat.completions.create(model="m", messages=MSGS, seed=1, response_format=FMT)
+    assert r.choices[0].message.content == "".join(e.text for e in alone["json"])
+
+    # Each rank's prefix cache served the same chunks (a rank that missed where rank 0 hit would
+    # run other forwards and hang the collectives); the answers above are the uncached ones.
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens // 4 * 4  # its whole blocks
+    cache = httpx.get(base + "/health").json()["prefix_cache"]
+    assert cache["lookups"] == 5 and cache["hits"] == 4
 
     # Rank 1 killed: mlx.launch stops rank 0 too, and nothing is left running.
     pids = rank_pids(proc)

@@ -125,12 +125,20 @@ def _serve_and_stop(exe: str, model: str, sig: int, delay: float, max_batch: int
             p.wait()
 
 
-STOPS = 10  # in pairs at once: each start costs seconds of CPU on a shared 2-core machine
+# (signal, seconds after the first whole request, --max-batch): both signals with both
+# batch sizes, the signal landing from the two requests' admission (the first half
+# second, sampled densest) to deep into their generation (2.35 s, as far as ten evenly
+# spaced stops reached). Run in pairs at once: each start costs seconds of CPU on a
+# shared 2-core machine, and a stop more only samples the same window more finely
+# (the first test reproduces the abort deterministically).
+PLANS = [(signal.SIGTERM, 0.1, 1), (signal.SIGINT, 0.35, 4), (signal.SIGINT, 0.6, 1),
+         (signal.SIGTERM, 1.1, 4), (signal.SIGINT, 1.6, 1), (signal.SIGINT, 2.35, 4)]
+STOPS = len(PLANS)
 
 
 def test_serve_stopped_by_sigint_or_sigterm_exits_0_every_time(tiny_dg_mlx_dir):
     exe = str(Path(sys.executable).parent / "dlm-run")
-    plans = [(signal.SIGINT if i % 3 else signal.SIGTERM, 0.1 + 0.25 * i, 1 + (i % 2) * 3) for i in range(STOPS)]
+    plans = PLANS
     results: list = [None] * STOPS
 
     def one(i):

@@ -1,5 +1,6 @@
 """The checks test_distributed.py runs in one process and on every rank of an
-``mlx.launch`` job (``python distributed_checks.py OUT MODEL_DIR[+image] ...``):
+``mlx.launch`` job (tests/distributed.py: family_ranks, with LLaDA-2's checks; by
+hand: ``python distributed_checks.py OUT MODEL_DIR[+image] ...``):
 greedy and seeded generations, a prompt with an image, a batch, a structured
 request and the logits of two decoder forwards (the second self-conditioned),
 per model directory. Each rank writes what it got to OUT.<rank>.json."""

@@ -1,6 +1,7 @@
-"""Run by tests/llada2_moe/test_distributed.py under ``mlx.launch`` (and in-process
-for the single-process twin): what the test compares, as JSON written by rank 0.
-Usage: distributed_run.py MODEL_DIR... OUT.json"""
+"""What tests/llada2_moe/test_distributed.py compares: ``results`` runs on every rank
+of an ``mlx.launch`` job (tests/distributed.py: family_ranks, with DiffusionGemma's
+checks) and in-process for the single-process twin. By hand:
+``distributed_run.py MODEL_DIR... OUT.json`` (rank 0 writes the JSON)."""
 
 from __future__ import annotations
 
