@@ -211,8 +211,8 @@ def test_server_reports_cached_tokens(tiny_llada2_mlx_dir, serving):
     defaults = {"max_tokens": 8, "block_length": 4, "prefill_step_size": CHUNK}
     system = "You are a terse assistant. " * 12
     answers = {}
-    for gb in (0, 1):
-        app = create_app(loaded, defaults, max_batch=4, prefix_cache_gb=gb)
+    for gb, batch in ((0, 4), (1, 4), (1, 1)):  # off; the batching worker; the serial one
+        app = create_app(loaded, defaults, max_batch=batch, prefix_cache_gb=gb)
         with serving(app) as base:
             client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=60)
             got = []
@@ -222,7 +222,7 @@ def test_server_reports_cached_tokens(tiny_llada2_mlx_dir, serving):
                 got.append((r.choices[0].message.content, r.usage.prompt_tokens,
                             r.usage.prompt_tokens_details.cached_tokens))
             health = openai.DefaultHttpxClient().get(base + "/health").json()
-        answers[gb] = got
+        answers[gb, batch] = got
         if gb == 0:
             assert health["prefix_cache"] is None and [c for *_, c in got] == [0, 0]
         else:
@@ -231,8 +231,9 @@ def test_server_reports_cached_tokens(tiny_llada2_mlx_dir, serving):
                                                {"role": "user", "content": q}])
            for q in ("Name a colour.", "Name a fruit.")]
     shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
-    assert [c for *_, c in answers[1]] == [0, boundary(shared, len(ids[1]), "llada")]
-    assert [a[:2] for a in answers[0]] == [a[:2] for a in answers[1]]  # the same answers with the cache
+    for batch in (4, 1):
+        assert [c for *_, c in answers[1, batch]] == [0, boundary(shared, len(ids[1]), "llada")]
+        assert [a[:2] for a in answers[0, 4]] == [a[:2] for a in answers[1, batch]]  # the same answers
 
 
 def test_prompts_file_shares_prefills(tiny_llada2_mlx_dir, tmp_path):

@@ -41,7 +41,6 @@ import numpy as np
 
 from ..platform.errors import GenerationError
 
-
 # dlm-run serve's cache, unless --prefix-cache-gb says: this share of the memory budget (a
 # released DiffusionGemma holds ~0.24 MB a prompt position in bf16, LLaDA2.0-mini ~0.04 MB:
 # at 10% of a 64 GB Mac's budget, a few dozen 2 k-token system prompts).
@@ -172,6 +171,7 @@ class PrefixCache:
         return True
 
     def clear(self) -> None:
+        """Drop every segment (the counters stay)."""
         with self._lock:
             self._table.clear()
             self.bytes = 0
@@ -184,7 +184,6 @@ class PrefixCache:
                     "lookups": self.lookups, "hits": self.hits, "prompt_tokens": self.prompt_tokens,
                     "cached_tokens": self.cached_tokens, "token_hit_rate": round(rate, 4),
                     "evictions": self.evictions}
-
 
 
 class Reuse:

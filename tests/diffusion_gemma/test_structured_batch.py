@@ -58,24 +58,10 @@ class Request:
                                     tools=self.tools))
 
     def join(self, batcher: Batcher, key) -> Entry:
-        """Queue it with its grammar (the Batcher's own ``add`` takes plain requests)."""
-        loaded, cancel = batcher.loaded, self.cancel() if self.cancel else None
-        response_format = self.response_format
-        if self.tools is not None:
-            response_format = api.tool_format(loaded, self.tools)
-        structured = api.structured_output(response_format, self.logprobs)
-        if structured is None:
-            return batcher.add(self.ids, self.options, cancel, key=key)
-        session = loaded.family.generation.Session(loaded, self.ids, loaded.settings(self.options), cancel,
-                                                   structured=structured)
-        entry = Entry(key, loaded, session, self.ids, session.memory_bytes(loaded.args))
-        batcher.waiting.append(entry)
-        return entry
+        return batcher.add(self.ids, self.options, self.cancel() if self.cancel else None, key=key,
+                           response_format=self.response_format, logprobs=self.logprobs, tools=self.tools)
 
-    def collect(self, loaded, events):
-        if self.tools is not None:
-            events = api._split_tool_calls(iter(events), loaded.family.tool_syntax,
-                                           self.options["max_tokens"] if self.tools.forced else None)
+    def collect(self, events):
         result = api.GenerationResult()
         for event in events:
             api._take(result, event)
@@ -89,7 +75,7 @@ def batched(loaded, requests, max_batch=8):
     events = {i: [] for i in range(len(requests))}
     for entry, event in batcher.run():
         events[entry.key].append(event)
-    return [r.collect(loaded, events[i]) for i, r in enumerate(requests)]
+    return [r.collect(events[i]) for i, r in enumerate(requests)]
 
 
 def polls_then_cancel(n):
