@@ -119,3 +119,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_dg_q4_dir(tiny_dg_dir, tmp_path_factory):
+    """``tiny_dg_dir`` converted by dlm-convert to 4 bits (group size 32), converted
+    once for the session: read-only (copy it before changing anything in it)."""
+    from tests.builders import convert_dir
+
+    return convert_dir(tiny_dg_dir, tmp_path_factory.mktemp("tiny_dg_q4") / "q4", quantize=True, q_bits=4,
+                       q_group_size=32)

@@ -100,9 +100,9 @@ def test_experts_dequantized_per_call_run_grouped(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def q4(tiny_dg_dir, tiny_llada2_mlx_dir, tmp_path_factory):
+def q4(tiny_dg_q4_dir, tiny_llada2_mlx_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("q4_per_call")
-    return {"diffusion_gemma": convert_dir(tiny_dg_dir, root / "dg", quantize=True, q_bits=4, q_group_size=32),
+    return {"diffusion_gemma": tiny_dg_q4_dir,
             "llada2_moe": convert_dir(tiny_llada2_mlx_dir.parent / "hf", root / "llada2", quantize=True,
                                       q_bits=4)}
 
@@ -148,7 +148,9 @@ def test_a_4bit_model_dequantized_per_call_passes_the_implementation_check(q4, f
     pytest.importorskip("torch")
     from dlm.verify.suite import run_parity
 
-    report = run_parity(q4[family], verify_options())
+    # local=False: the layer-local row (a second MLX load fed the reference's
+    # layer inputs) is not what this test checks; the implementation check is.
+    report = run_parity(q4[family], verify_options(local=False))
     impl = report.check("implementation")
     assert impl.status == "pass", report.table()
     assert impl.metrics["max_abs"] < 1e-4 and impl.metrics["top1"] == 1.0  # float32-exact, same weights

@@ -183,9 +183,18 @@ def test_generate_and_chat_work_with_stdin_closed(tiny_dg_mlx_dir):
     exe = str(Path(sys.executable).parent / "dlm-run")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     base = ["--model", str(tiny_dg_mlx_dir), "--max-tokens", "4", "--max-denoising-steps", "2"]
-    for args in (["generate", *base, "--prompt", "hi"], ["chat", *base]):
-        r = subprocess.run([exe, *args], preexec_fn=lambda: os.close(0), capture_output=True, text=True,
-                           timeout=120, env=env)
-        assert "cannot read safetensors" not in r.stderr, r.stderr
+    # Both at once (each pays the CLI's imports): independent processes, checked one by one.
+    procs = [subprocess.Popen([exe, *args], preexec_fn=lambda: os.close(0), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+             for args in (["generate", *base, "--prompt", "hi"], ["chat", *base])]
+    try:
+        done = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for _, stderr, returncode in done:
+        assert "cannot read safetensors" not in stderr, stderr
         # generate answers; chat reads an empty stdin (EOF): no turns, a clean end
-        assert r.returncode == 0 and "error" not in r.stderr, r.stderr
+        assert returncode == 0 and "error" not in stderr, stderr

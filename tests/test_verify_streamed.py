@@ -13,7 +13,10 @@ MLX routing flips and the layer-local check: tests/diffusion_gemma/test_verify_r
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,7 +32,7 @@ from tests.builders import (  # noqa: E402
     FAST_VERIFY, build_diffusion_gemma, build_llada2, convert_dir, verify_options,
 )
 from tests.llada2_remote_code import write_llada2_remote_code  # noqa: E402
-from tests.rss import run_child  # noqa: E402
+from tests.rss import RSS_PRELUDE  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread):
@@ -382,9 +385,10 @@ from dlm.runtime.checkpoint import read_json
 from dlm.runtime.registry import family_for_config
 from dlm.verify import streaming as S, weights as W
 from dlm.verify.diffusion_gemma import adapter as A
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache  # noqa: F401
 
 out = {}
-for phase in json.loads(sys.argv[1]):
+for phase in json.loads(sys.stdin.readline()):  # sent once the checkpoints are written
     kind, mode, path = phase
     before = reset_peak()
     weights = None
@@ -406,6 +410,30 @@ _WIDE = dict(hidden_size=256, num_experts=16, top_k_experts=2, moe_intermediate_
 
 
 def test_streamed_reference_peak_memory_is_flat_in_depth(tmp_path):
+    # The child (tests/rss.py's prelude and environment) imports while the
+    # checkpoints are built; it reads its phases from stdin once they are.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    child = subprocess.Popen([sys.executable, "-c", RSS_PRELUDE + _CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
+    try:
+        peak = _flat_in_depth_phases(tmp_path, child)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    dirs, grown = peak.pop("dirs"), peak.pop("grown")
+
+    def growth(kind, mode):
+        return peak[f"{kind}/{mode}/{dirs[(kind, 8)]}"] - peak[f"{kind}/{mode}/{dirs[(kind, 2)]}"]
+
+    for kind in ("hf", "mlx"):
+        # The whole-model reference holds every layer: its peak grows with depth (the test can fail) ...
+        assert growth(kind, "whole") > 0.6 * grown, (kind, peak)
+        # ... the streamed one holds one layer at a time: flat in depth.
+        assert growth(kind, "streamed") < 0.15 * grown, (kind, peak)
+
+
+def _flat_in_depth_phases(tmp_path, child) -> dict:
     dirs = {}
     for n in (2, 8):
         build_diffusion_gemma(tmp_path / f"hf{n}", text_overrides=dict(_WIDE, num_hidden_layers=n,
@@ -420,16 +448,9 @@ def test_streamed_reference_peak_memory_is_flat_in_depth(tmp_path):
     # Warm-up phases first (lazy imports and first-call allocations would count
     # against the first measured phase); their numbers are overwritten.
     phases = [("hf", "streamed", str(dirs[("hf", 2)])), ("mlx", "streamed", str(dirs[("mlx", 2)]))] + phases
-    peak = run_child(_CHILD, phases, tmp_path, timeout=300)
-
-    def growth(kind, mode):
-        return peak[f"{kind}/{mode}/{dirs[(kind, 8)]}"] - peak[f"{kind}/{mode}/{dirs[(kind, 2)]}"]
-
-    for kind in ("hf", "mlx"):
-        # The whole-model reference holds every layer: its peak grows with depth (the test can fail) ...
-        assert growth(kind, "whole") > 0.6 * grown, (kind, peak)
-        # ... the streamed one holds one layer at a time: flat in depth.
-        assert growth(kind, "streamed") < 0.15 * grown, (kind, peak)
+    stdout, stderr = child.communicate(json.dumps(phases) + "\n", timeout=300)
+    assert child.returncode == 0, stderr[-3000:]
+    return dict(json.loads(stdout.strip().splitlines()[-1]), dirs=dirs, grown=grown)
 
 
 def test_logit_store_and_bundle_arrays_match_the_safetensors_library(tmp_path):

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def conversions(tiny_dg_dir, tmp_path_factory):
+def conversions(tiny_dg_dir, tiny_dg_q4_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("verify_conversions")
     return {
         "f32": convert_dir(tiny_dg_dir, root / "f32"),
         "bf16": convert_dir(tiny_dg_dir, root / "bf16", dtype="bfloat16"),
-        "q4": convert_dir(tiny_dg_dir, root / "q4", quantize=True, q_bits=4, q_group_size=32),
+        "q4": tiny_dg_q4_dir,  # the session's (read-only)
     }
 
 

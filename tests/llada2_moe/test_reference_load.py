@@ -5,6 +5,8 @@ clear errors for checkpoints that do not match their config."""
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from dlm.runtime.platform.errors import WeightError
 from dlm.verify.llada2_moe import adapter as A
 from dlm.verify.llada2_moe import torch_model as R
 from tests.builders import build_llada2
-from tests.rss import run_child
+from tests.rss import RSS_PRELUDE
 
 torch.set_num_threads(1)
 
@@ -122,7 +124,7 @@ _CHILD = r"""
 from dlm.verify.llada2_moe import adapter as A
 
 out = {}
-for path, dtype in json.loads(sys.argv[1]):
+for path, dtype in json.loads(sys.stdin.readline()):  # sent once the checkpoints are written
     before = reset_peak()
     ref = A.load_reference(path, dtype=dtype)
     unique = {id(t): t for t in ref.model.state_dict(keep_vars=True).values()}.values()
@@ -143,13 +145,25 @@ def test_whole_load_peak_memory_is_the_reference_plus_one_tensor(tmp_path):
     """Before: the initialised float32 model and the whole checkpoint state
     dict at once (2x the reference for a float32 checkpoint). Now: the
     reference in its dtype and one tensor, at any depth and checkpoint dtype."""
-    dirs = {}
-    for stored, n in (("float32", 2), ("float32", 8), ("bfloat16", 8)):
-        dirs[(stored, n)] = tmp_path / f"{stored}{n}"
-        build_llada2(dirs[(stored, n)], "base", dtype=stored, num_hidden_layers=n, **_WIDE)
-    phases = [(str(dirs[("float32", 2)]), "float32")]  # warm-up (first-call allocations), overwritten
-    phases += [(str(dirs[k]), dtype) for k in dirs for dtype in ("float32", "bfloat16")]
-    got = run_child(_CHILD, phases, tmp_path, timeout=120)
+    # The child (tests/rss.py's prelude and environment) imports while the
+    # checkpoints are built; it reads its phases from stdin once they are.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    child = subprocess.Popen([sys.executable, "-c", RSS_PRELUDE + _CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
+    try:
+        dirs = {}
+        for stored, n in (("float32", 2), ("float32", 8), ("bfloat16", 8)):
+            dirs[(stored, n)] = tmp_path / f"{stored}{n}"
+            build_llada2(dirs[(stored, n)], "base", dtype=stored, num_hidden_layers=n, **_WIDE)
+        phases = [(str(dirs[("float32", 2)]), "float32")]  # warm-up (first-call allocations), overwritten
+        phases += [(str(dirs[k]), dtype) for k in dirs for dtype in ("float32", "bfloat16")]
+        stdout, stderr = child.communicate(json.dumps(phases) + "\n", timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 0, stderr[-3000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
     assert got[f"{dirs[('float32', 8)]}/float32"]["reference"] > 200e6  # the test can tell 1x from 2x
     for key, m in got.items():
         # Slack for the interpreter's own allocations; the old loader was over by the checkpoint's size.
