@@ -301,10 +301,9 @@ def run_prompts_file(loaded, path: str, items: list[tuple[int, dict]], output: O
     """The job of ``items`` (read_prompts of ``path``): check every prompt,
     generate, write (see the module doc)."""
     from . import ranks
-    from ..generation.prefix_cache import PrefixCache, limit_bytes
+    from ..generation.prefix_cache import sized
 
-    limit = limit_bytes(prefix_cache_gb, options.get("memory_budget"))
-    cache = PrefixCache(limit) if limit else None
+    cache = sized(prefix_cache_gb, options.get("memory_budget"))
     with ranks.watched(getattr(loaded, "world", None)) as dog, ranks.busy(dog):
         _run_prompts(loaded, path, items, output, options, defaults, max_batch, profile, ranks.beating(dog), cache)
 

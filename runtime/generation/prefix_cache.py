@@ -40,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..platform.errors import GenerationError
+from ..platform.memory import budget_bytes
 
 # dlm-run serve's cache, unless --prefix-cache-gb says: this share of the memory budget (a
 # released DiffusionGemma holds ~0.24 MB a prompt position in bf16, LLaDA2.0-mini ~0.04 MB:
@@ -47,15 +48,13 @@ from ..platform.errors import GenerationError
 DEFAULT_SHARE = 0.1
 
 
-def limit_bytes(gb: Optional[float], memory_budget: Optional[float] = None) -> int:
-    """The cache's byte limit: ``gb`` GB, or DEFAULT_SHARE of the memory budget."""
-    from ..platform.memory import budget_bytes
-
-    if gb is not None:
-        if gb < 0:
-            raise GenerationError(f"--prefix-cache-gb must be >= 0 (0 turns the cache off), got {gb}")
-        return int(gb * 1e9)
-    return int(DEFAULT_SHARE * budget_bytes(memory_budget))
+def sized(gb: Optional[float], memory_budget: Optional[float] = None) -> Optional["PrefixCache"]:
+    """The cache ``--prefix-cache-gb`` asks for: ``gb`` GB, or DEFAULT_SHARE of the
+    memory budget; None when that is 0 (off)."""
+    if gb is not None and gb < 0:
+        raise GenerationError(f"--prefix-cache-gb must be >= 0 (0 turns the cache off), got {gb}")
+    limit = int(gb * 1e9) if gb is not None else int(DEFAULT_SHARE * budget_bytes(memory_budget))
+    return PrefixCache(limit) if limit else None
 
 
 @dataclass(eq=False)
@@ -169,12 +168,6 @@ class PrefixCache:
             self.bytes -= victim.nbytes
             self.evictions += 1
         return True
-
-    def clear(self) -> None:
-        """Drop every segment (the counters stay)."""
-        with self._lock:
-            self._table.clear()
-            self.bytes = 0
 
     def stats(self) -> dict:
         """What /health and --profile show: size, use and the token hit rate."""

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..platform.errors import DlmError, GenerationError
 from ..generation.images import ImageError, ImageLimits, decode, fetch_bodies, open_url
 from ..generation.inputs import PromptInputs
-from ..generation.prefix_cache import PrefixCache, limit_bytes
+from ..generation import prefix_cache
 from .requests import (OPTION_FIELDS, ModelCaps, ParsedRequest, RequestError, bad, parse_chat, parse_completion,
                        structured_hooks, structured_spec)
 from ..batch import DEFAULT_MAX_BATCH
@@ -84,15 +84,15 @@ class _Server:
         # A runtime of the caller's own (tests), or a family without batching, runs each request alone;
         # with a runtime of its own, no prefix cache.
         budget = self.defaults.get("memory_budget")
-        limit = limit_bytes(prefix_cache_gb, budget) if runtime is api else 0
-        self.prefix_cache = PrefixCache(limit) if limit else None
-        if self.world is not None:  # every rank steps the same batch (lockstep.py)
+        if self.world is not None:  # every rank steps the same batch (lockstep.py), each with its own cache
             from .lockstep import DistributedWorker
 
             self.worker = DistributedWorker(loaded, max_batch, budget, queue_size=queue_size,
                                             after_job=_clear_mlx_cache, prefix_cache_gb=prefix_cache_gb)
             self.prefix_cache = self.worker.prefix_cache
-        elif max_batch > 1 and runtime is api and loaded.family.batch is not None:
+            return
+        self.prefix_cache = prefix_cache.sized(prefix_cache_gb, budget) if runtime is api else None
+        if max_batch > 1 and runtime is api and loaded.family.batch is not None:
             self.worker = BatchWorker(loaded, max_batch, budget, queue_size=queue_size,
                                       after_job=_clear_mlx_cache, prefix_cache=self.prefix_cache)
         else:

@@ -152,14 +152,7 @@ class BatchWorker(GenerationWorker):
         job.post("end")
         with self._cond:
             self._active.remove(job)
-            if ran:
-                self.served += 1
-                self.last_job = job
-            self._current = self._active[0] if self._active else None
+            self._ended(job, ran, self._active[0] if self._active else None)
             idle = not self._active
-            self._cond.notify_all()
-        if idle and self._after_job is not None:
-            try:
-                self._after_job()
-            except Exception:
-                pass
+        if idle:
+            self._after()

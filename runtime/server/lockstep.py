@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..batch import Batcher
-from ..generation.prefix_cache import PrefixCache, limit_bytes
+from ..generation import prefix_cache
 from ..platform import distributed
 from .requests import structured_from_spec
 from .worker import GenerationWorker, Job, WorkerStopped
@@ -49,8 +49,7 @@ class Lockstep:
         plans in the same order, so each finds and evicts the same chunks."""
         self.loaded = loaded
         self.world = loaded.world
-        limit = limit_bytes(prefix_cache_gb, memory_budget)
-        self.prefix_cache = PrefixCache(limit) if limit else None
+        self.prefix_cache = prefix_cache.sized(prefix_cache_gb, memory_budget)
         self.batcher = Batcher(loaded, max_batch, memory_budget, self.prefix_cache)
         self.cancelled: set[int] = set()  # ids rank 0 has said are cancelled
 
@@ -221,17 +220,10 @@ class DistributedWorker(GenerationWorker):
             self._told.discard(key)
             job.finished_at = time.perf_counter()
             job.post("end")
-            if ran:
-                self.served += 1
-                self.last_job = job
-            self._current = next(iter(self._active.values()), None)
+            self._ended(job, ran, next(iter(self._active.values()), None))
             idle = not self._active
-            self._cond.notify_all()
-        if idle and self._after_job is not None:
-            try:
-                self._after_job()
-            except Exception:
-                pass
+        if idle:
+            self._after()
 
     def _end_all(self) -> None:
         """Stopping: the requests still running end with the shutdown error."""

@@ -226,6 +226,23 @@ class GenerationWorker:
                 self.last_job = job
                 self._cond.notify_all()
 
+    def _ended(self, job: Job, ran: bool, current: Optional[Job]) -> None:
+        """A batched job is over (under ``self._cond``): counted if it ran; ``current``:
+        the job now in front (None: nothing runs); waiters woken."""
+        if ran:
+            self.served += 1
+            self.last_job = job
+        self._current = current
+        self._cond.notify_all()
+
+    def _after(self) -> None:
+        """``after_job`` (its failure must not stop the worker)."""
+        if self._after_job is not None:
+            try:
+                self._after_job()
+            except Exception:
+                pass
+
     def _run(self, job: Job) -> None:
         job.started_at = time.perf_counter()
         items = None
@@ -246,10 +263,6 @@ class GenerationWorker:
                     close()  # let the generator clean up here, on the worker thread
                 except Exception:
                     pass
-            if self._after_job is not None:
-                try:
-                    self._after_job()
-                except Exception:
-                    pass
+            self._after()
             job.finished_at = time.perf_counter()
             job.post("end")
