@@ -234,11 +234,7 @@ class CanvasSession:
         features in place and each image block bidirectional. A fresh cache,
         and none kept for later runs (its image positions hold pixels the ids
         do not name)."""
-        start = time.perf_counter()
-        features = [self.model.encode_image(i.pixel_values, i.position_ids) for i in self.images]
-        features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
-        mx.eval(features)
-        self.vision_seconds = time.perf_counter() - start
+        features = self._vision(self.images)
         self.cache, self.cached_tokens = self.model.make_cache(), 0
         self.model.prefill(self.prompt_ids, self.cache, self.settings.prefill_step_size, features, self.blocks)
         if self.prefix is not None:
@@ -260,18 +256,22 @@ class CanvasSession:
         self.cache = self.model.make_cache()
         reuse = Reuse(self.store, ("diffusion_gemma",), symbols, bounds, self.cache)
         m = self.cached_tokens = reuse.start
-        features, blocks = None, None
-        if self.images:
-            start = time.perf_counter()
-            later = [image for image, at in zip(self.images, starts) if at >= m]
-            if later:
-                features = [self.model.encode_image(i.pixel_values, i.position_ids) for i in later]
-                features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
-                mx.eval(features)
-            self.vision_seconds = time.perf_counter() - start
-            blocks = self.blocks[m:]
+        features = self._vision([image for image, at in zip(self.images, starts) if at >= m])
+        blocks = self.blocks[m:] if self.blocks is not None else None
         self.model.prefill(prompt[m:], self.cache, size, features, blocks,
                            on_chunk=lambda a, b: reuse.stored(m + a, m + b))
+
+    def _vision(self, images: list) -> Optional[mx.array]:
+        """The soft tokens of ``images`` [n, hidden], evaluated and timed on their own
+        (``vision_seconds``); None for no image."""
+        start = time.perf_counter()
+        features = None
+        if images:
+            features = [self.model.encode_image(i.pixel_values, i.position_ids) for i in images]
+            features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
+            mx.eval(features)
+        self.vision_seconds = time.perf_counter() - start
+        return features
 
     def _step_hook(self, index: int) -> Optional[StepHook]:
         """on_step, plus the watcher (which sees the canvas as it stands: its argmax)."""
